@@ -1,0 +1,246 @@
+"""Bricks of space and the periodic images that fall near them.
+
+The cell is cut into ``px * py * pz`` bricks along its fractional coordinates,
+one per rank. On a periodic axis brick ``b`` covers ``[b/p, (b+1)/p)``; on a
+non-periodic axis the atoms' current extent is cut evenly and the outermost
+bricks reach to infinity. Distances to a brick are measured per axis,
+perpendicular to the brick's faces (the slab metric LAMMPS uses): an image is
+within ``w`` of a brick when, along every axis, it lies within ``w`` of the
+brick's slab. This is a superset of the Euclidean ``w``-neighbourhood, so no
+pair within a cutoff is ever missed, for any cell shape.
+
+Everything here is pure geometry on tensors (no communication, no Python loops
+over atoms); the single-process pipeline uses it with a single brick.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Geometry", "Partition", "choose_grid", "ImageSet", "images_near_bricks"]
+
+
+def choose_grid(world_size: int, cell: torch.Tensor, pbc: torch.Tensor, extent: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """The factorisation ``px*py*pz == world_size`` that minimises brick surface.
+
+    Brick edge lengths are the heights of the (working) cell along each axis
+    divided by the number of bricks on that axis; ties keep the first found.
+    """
+    geo = Geometry(cell, pbc, extent)
+    heights = geo.heights.tolist()
+    best, best_area = (world_size, 1, 1), math.inf
+    for px in range(1, world_size + 1):
+        if world_size % px:
+            continue
+        for py in range(1, world_size // px + 1):
+            if (world_size // px) % py:
+                continue
+            pz = world_size // px // py
+            a, b, c = heights[0] / px, heights[1] / py, heights[2] / pz
+            area = a * b + b * c + a * c
+            if area < best_area - 1e-12:
+                best, best_area = (px, py, pz), area
+    return best
+
+
+class Geometry:
+    """A working basis for fractional coordinates, valid with non-periodic axes.
+
+    Periodic axes use the lattice vectors. A non-periodic axis keeps its lattice
+    vector when the cell is non-singular, otherwise it is replaced by a unit
+    vector orthogonal to the other rows, so that fractional coordinates are
+    always defined.
+    """
+
+    def __init__(self, cell: torch.Tensor, pbc: torch.Tensor, extent: torch.Tensor | None = None) -> None:
+        cell = cell.detach().to(torch.float64)
+        self.pbc = pbc.detach().cpu().to(torch.bool)
+        self.basis = _working_basis(cell, self.pbc)
+        self.inverse = torch.linalg.inv(self.basis)
+        # Height of the cell along axis a = 1 / |reciprocal vector a|.
+        self.heights = 1.0 / self.inverse.norm(dim=0)
+
+    def fractional(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions.detach().to(torch.float64) @ self.inverse.to(positions.device)
+
+
+def _working_basis(cell: torch.Tensor, pbc: torch.Tensor) -> torch.Tensor:
+    basis = cell.clone().cpu()
+    if abs(float(torch.linalg.det(basis))) > 1e-10 * max(float(basis.norm()) ** 3, 1e-30):
+        return basis.to(cell.device)
+    eye = torch.eye(3, dtype=basis.dtype)
+    periodic = [a for a in range(3) if pbc[a]]
+    for a in range(3):
+        if a in periodic:
+            continue
+        others = [basis[b] for b in periodic] + [basis[b] for b in range(3) if b not in periodic and b < a]
+        v = None
+        if len(others) == 2:
+            v = torch.linalg.cross(others[0], others[1])
+        else:
+            for e in eye:  # Gram-Schmidt against what we already have
+                cand = e.clone()
+                for o in others:
+                    cand = cand - (cand @ o) / (o @ o) * o
+                if cand.norm() > 1e-6:
+                    v = cand
+                    break
+        basis[a] = v / v.norm()
+    return basis.to(cell.device)
+
+
+@dataclass
+class Partition:
+    """A regular grid of bricks in fractional coordinates.
+
+    ``lower``/``upper`` hold each axis's brick boundaries (length ``p + 1``);
+    on non-periodic axes the outer boundaries are ``-inf``/``+inf``.
+    """
+
+    grid: tuple[int, int, int]
+    geometry: Geometry
+    bounds: list[torch.Tensor]  # per axis, p+1 boundaries in fractional coordinates
+
+    @classmethod
+    def build(cls, grid, cell, pbc, frac_min: torch.Tensor | None = None, frac_max: torch.Tensor | None = None) -> "Partition":
+        geo = Geometry(cell, pbc)
+        bounds = []
+        for a in range(3):
+            p = int(grid[a])
+            if geo.pbc[a]:
+                b = torch.linspace(0.0, 1.0, p + 1, dtype=torch.float64)
+            else:
+                lo = float(frac_min[a]) if frac_min is not None else 0.0
+                hi = float(frac_max[a]) if frac_max is not None else 1.0
+                b = torch.linspace(lo, hi, p + 1, dtype=torch.float64)
+                b[0], b[-1] = -math.inf, math.inf
+            bounds.append(b)
+        return cls(tuple(int(g) for g in grid), geo, bounds)
+
+    @property
+    def n_bricks(self) -> int:
+        return self.grid[0] * self.grid[1] * self.grid[2]
+
+    def rank_of(self, brick_index: torch.Tensor) -> torch.Tensor:
+        """Rank of brick ``(i, j, k)``: ``i * py * pz + j * pz + k``."""
+        _, py, pz = self.grid
+        return brick_index[..., 0] * py * pz + brick_index[..., 1] * pz + brick_index[..., 2]
+
+    def brick_of_rank(self, rank: int) -> tuple[int, int, int]:
+        _, py, pz = self.grid
+        return rank // (py * pz), (rank // pz) % py, rank % pz
+
+    def wrap(self, frac: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wrap periodic fractional coordinates into [0, 1); returns (wrapped, integer image)."""
+        image = torch.where(self.geometry.pbc.to(frac.device), torch.floor(frac), torch.zeros_like(frac))
+        return frac - image, image.to(torch.int64)
+
+    def brick_index(self, wrapped: torch.Tensor) -> torch.Tensor:
+        """Brick index (N, 3) containing each wrapped fractional coordinate."""
+        cols = []
+        for a in range(3):
+            inner = self.bounds[a][1:-1].to(wrapped.device)
+            cols.append(torch.bucketize(wrapped[:, a].contiguous(), inner, right=True))
+        return torch.stack(cols, dim=1)
+
+    def distance_outside(self, wrapped: torch.Tensor, brick: torch.Tensor) -> torch.Tensor:
+        """Slab distance (Å) of each point outside its given brick, 0 inside."""
+        out = torch.zeros(wrapped.shape[0], dtype=torch.float64, device=wrapped.device)
+        for a in range(3):
+            lo = self.bounds[a].to(wrapped.device)[brick[:, a]]
+            hi = self.bounds[a].to(wrapped.device)[brick[:, a] + 1]
+            ex = torch.clamp(torch.maximum(lo - wrapped[:, a], wrapped[:, a] - hi), min=0.0)
+            out = torch.maximum(out, torch.nan_to_num(ex, nan=0.0, posinf=0.0) * float(self.geometry.heights[a]))
+        return out
+
+
+@dataclass
+class ImageSet:
+    """Images of local atoms that lie near some brick.
+
+    ``atom`` indexes the local atoms, ``rank`` is the brick (rank) they fall
+    near, ``shift`` the integer lattice image to add to the atom's stored
+    position, and ``distance`` the slab distance (Å) to that brick.
+    """
+
+    atom: torch.Tensor
+    rank: torch.Tensor
+    shift: torch.Tensor
+    distance: torch.Tensor
+
+
+def images_near_bricks(
+    partition: Partition, wrapped: torch.Tensor, image: torch.Tensor, width: float, own_rank: torch.Tensor | None = None
+) -> ImageSet:
+    """All images of the given atoms within ``width`` (slab metric) of any brick.
+
+    Parameters
+    ----------
+    wrapped, image : fractional coordinates wrapped into the cell and the
+        integer image removed by wrapping (so the stored position is
+        ``wrapped + image`` in fractional units).
+    width : halo width in Å.
+    own_rank : optional (N,) owner of each atom; the identity image of an atom
+        in its owner's brick is excluded (it is an owned row, not a ghost).
+
+    Works per axis on dense candidate masks (atoms x bricks x images), then
+    combines the axes by broadcasting: no Python loop over atoms.
+    """
+    device = wrapped.device
+    n = wrapped.shape[0]
+    per_axis = []
+    for a in range(3):
+        p = partition.grid[a]
+        bounds = partition.bounds[a].to(device)
+        periodic = bool(partition.geometry.pbc[a])
+        wf = width / float(partition.geometry.heights[a])  # width in fractional units
+        if periodic:
+            reach = int(math.ceil(wf)) + 1
+            n_img = torch.arange(-reach, reach + 1, device=device)
+        else:
+            n_img = torch.zeros(1, dtype=torch.int64, device=device)
+        bricks = torch.arange(p, device=device)
+        x = wrapped[:, a, None, None] + n_img[None, None, :].to(torch.float64)  # (N, 1, I)
+        lo = bounds[bricks][None, :, None]
+        hi = bounds[bricks + 1][None, :, None]
+        excess = torch.clamp(torch.maximum(lo - x, x - hi), min=0.0)  # (N, P, I)
+        excess = torch.nan_to_num(excess, nan=0.0) * float(partition.geometry.heights[a])
+        inside = excess <= width
+        per_axis.append((inside, excess, n_img))
+    # Pack each axis's valid (brick, image) candidates to the front so the
+    # product over axes only spans the few candidates an atom really has.
+    packed = [_pack_axis(inside, excess, n_img) for inside, excess, n_img in per_axis]
+    (v0, b0, s0, e0), (v1, b1, s1, e1), (v2, b2, s2, e2) = packed
+    mask = v0[:, :, None, None] & v1[:, None, :, None] & v2[:, None, None, :]
+    atom, c0, c1, c2 = mask.nonzero(as_tuple=True)
+    b = torch.stack([b0[atom, c0], b1[atom, c1], b2[atom, c2]], dim=1)
+    shift_wrapped = torch.stack([s0[atom, c0], s1[atom, c1], s2[atom, c2]], dim=1)
+    dist = torch.maximum(torch.maximum(e0[atom, c0], e1[atom, c1]), e2[atom, c2])
+    rank = partition.rank_of(b)
+    # Shift relative to the stored (unwrapped) position.
+    shift = shift_wrapped - image[atom]
+    if own_rank is not None:
+        keep = ~((rank == own_rank[atom]) & (shift_wrapped == 0).all(dim=1))
+        atom, rank, shift, dist = atom[keep], rank[keep], shift[keep], dist[keep]
+    return ImageSet(atom=atom, rank=rank, shift=shift, distance=dist)
+
+
+def _pack_axis(inside: torch.Tensor, excess: torch.Tensor, n_img: torch.Tensor):
+    """Move each atom's valid (brick, image) candidates to the front.
+
+    Returns ``valid (N, K)``, ``brick (N, K)``, ``image (N, K)`` and
+    ``excess (N, K)`` where K is the largest number of candidates of any atom.
+    """
+    n, p, i = inside.shape
+    flat = inside.reshape(n, p * i)
+    order = torch.argsort((~flat).to(torch.int8), dim=1, stable=True)
+    k = max(int(flat.sum(dim=1).max()) if n else 0, 1)
+    order = order[:, :k]
+    valid = torch.gather(flat, 1, order)
+    brick = order // i
+    image = n_img[order % i]
+    ex = torch.gather(excess.reshape(n, p * i), 1, order)
+    return valid, brick, image, ex

@@ -1,0 +1,185 @@
+"""Domains: owned atoms plus ghost images, the substrate of every local view.
+
+A :class:`Domain` owns a set of atoms and knows, for any halo width ``w``, the
+ghost rows within ``w`` (plus a skin margin) of its region, sorted by distance
+so that a narrower halo is a prefix of a wider one (nested halos from one
+plan). ``gather(x_owned, w)`` produces the ghost rows of a per-atom tensor from
+their owners, differentiably; ``scatter_back`` is its adjoint.
+
+:class:`LocalDomain` is the single-process domain: one brick covering the
+cell, ghosts are the periodic images of the atoms themselves. The distributed
+domain (``halopipe.distributed.sharded``) implements the same interface with a
+halo exchange between ranks, so pipelines and models run unchanged on both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .distributed.partition import Partition, images_near_bricks
+from .neighbors import max_displacement
+
+__all__ = ["Domain", "LocalDomain", "skin_margin"]
+
+
+def skin_margin(skin: float) -> float:
+    """Extra halo width that keeps a plan valid until some atom moves skin/2.
+
+    An owned atom may sit skin/2 outside its brick (ownership hysteresis) and
+    every atom may move skin/2 before the next rebuild, so ghosts are kept up
+    to ``w + 1.5 * skin`` from the brick.
+    """
+    return 1.5 * float(skin)
+
+
+class Domain:
+    """Interface shared by the single-process and the distributed domains.
+
+    Attributes
+    ----------
+    positions, numbers, masses, ids : owned atoms (ids are global indices).
+    fields : per-atom tensors of the owned atoms.
+    cell, pbc : global cell and periodicity.
+    n_total : atoms in the whole system.
+    skin : neighbour-list skin, Å.
+    plan_version : increases at every ghost-plan rebuild (caches key on it).
+    owned_shift : (n_owned, 3) integer lattice shift that places each owned
+        atom's row inside its brick (rows sit at ``r + owned_shift @ cell``).
+    ghost_numbers, ghost_shift, ghost_ids, ghost_distance : ghost rows at the
+        widest planned width, sorted by distance; a ghost row sits at
+        ``r_owner + ghost_shift @ cell``.
+    """
+
+    positions: torch.Tensor
+    numbers: torch.Tensor
+    masses: torch.Tensor
+    ids: torch.Tensor
+    fields: dict[str, torch.Tensor]
+    cell: torch.Tensor
+    pbc: torch.Tensor
+    n_total: int
+    skin: float
+    plan_version: int
+    owned_shift: torch.Tensor
+    ghost_numbers: torch.Tensor
+    ghost_shift: torch.Tensor
+    ghost_ids: torch.Tensor
+    ghost_distance: torch.Tensor
+
+    @property
+    def n_owned(self) -> int:
+        return int(self.positions.shape[0])
+
+    def ghost_count(self, width: float) -> int:
+        """Number of ghost rows a model with halo ``width`` sees."""
+        limit = float(width) + skin_margin(self.skin) + 1e-12
+        return int(torch.searchsorted(self.ghost_distance, torch.tensor([limit], dtype=self.ghost_distance.dtype, device=self.ghost_distance.device), right=True))
+
+    def gather(self, x: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def scatter_back(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Non-differentiable reduction over ranks (identity on one process)."""
+        return x
+
+    def prepare(self, width: float) -> bool:  # pragma: no cover - interface
+        """Make the ghost plan valid for ``width``; returns True if it was rebuilt."""
+        raise NotImplementedError
+
+
+class _IndexGather(torch.autograd.Function):
+    """x[index] whose backward sums gradients into the indexed rows."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.n = x.shape[0]
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.n,) + grad.shape[1:])
+        out.index_add_(0, index, grad)
+        return out, None
+
+
+class LocalDomain(Domain):
+    """All atoms of a system in one process; ghosts are periodic images.
+
+    Parameters
+    ----------
+    system : the :class:`~halopipe.System`.
+    skin : neighbour-list skin, Å.
+    """
+
+    def __init__(self, system, skin: float = 0.0) -> None:
+        self.cell, self.pbc = system.cell, system.pbc
+        self.positions = system.positions
+        self.numbers, self.masses = system.numbers, system.masses
+        self.fields = dict(system.fields)
+        self.ids = torch.arange(system.n_atoms, device=system.device)
+        self.n_total = system.n_atoms
+        self.skin = float(skin)
+        self.plan_version = 0
+        self._width = -1.0
+        self._ref: torch.Tensor | None = None
+
+    def update(self, system) -> None:
+        """Take new positions/fields of the same atoms (plan kept if still valid)."""
+        self.positions = system.positions
+        self.fields = dict(system.fields)
+        self.masses = system.masses
+        if not torch.equal(self.cell, system.cell):
+            self.cell = system.cell
+            self._ref = None
+
+    def compatible(self, system) -> bool:
+        return (
+            system.n_atoms == self.n_total
+            and torch.equal(system.numbers, self.numbers)
+            and torch.equal(system.pbc, self.pbc)
+            and system.dtype == self.positions.dtype
+            and system.device == self.positions.device
+        )
+
+    def prepare(self, width: float) -> bool:
+        stale = (
+            self._ref is None
+            or width > self._width
+            or max_displacement(self.positions, self._ref) > (0.5 * self.skin if self.skin > 0 else 0.0)
+        )
+        if not stale:
+            return False
+        self._build(width)
+        return True
+
+    def _build(self, width: float) -> None:
+        partition = Partition.build((1, 1, 1), self.cell, self.pbc)
+        frac = partition.geometry.fractional(self.positions)
+        wrapped, image = partition.wrap(frac)
+        own = torch.zeros(self.n_owned, dtype=torch.int64, device=self.positions.device)
+        imgs = images_near_bricks(partition, wrapped, image, width + skin_margin(self.skin), own_rank=own)
+        order = torch.argsort(imgs.distance, stable=True)
+        self.owned_shift = -image
+        self.ghost_atom = imgs.atom[order]
+        self.ghost_shift = imgs.shift[order]
+        self.ghost_distance = imgs.distance[order]
+        self.ghost_numbers = self.numbers[self.ghost_atom]
+        self.ghost_ids = self.ids[self.ghost_atom]
+        self._ref = self.positions.detach().clone()
+        self._width = float(width)
+        self.plan_version += 1
+
+    def gather(self, x: torch.Tensor, width: float) -> torch.Tensor:
+        return _IndexGather.apply(x, self.ghost_atom[: self.ghost_count(width)])
+
+    def scatter_back(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
+        out = x_ghost.new_zeros((self.n_owned,) + x_ghost.shape[1:])
+        return out.index_add_(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)

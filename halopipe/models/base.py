@@ -1,0 +1,123 @@
+"""The model contract: what every interatomic model sees and returns.
+
+A model never sees ranks. It receives a :class:`LocalView`: owned atoms first,
+then ghost images within the model's own halo, a neighbour list whose centres
+are owned, per-atom input fields on every row, and two differentiable helpers:
+
+* ``refresh(x_owned) -> x_rows`` fills the ghost rows of a per-atom tensor
+  from their owners (on one process: from the periodic originals; under domain
+  decomposition: through a halo exchange whose backward sends ghost gradients
+  home);
+* ``global_sum(x)`` sums over all ranks (identity on one process).
+
+It returns a :class:`ModelOutput`: per-atom energies of the owned rows (their
+sum is this view's share of the total energy), any produced per-atom fields for
+the owned rows, and, when asked for direct forces, forces on every row of the
+view plus this view's virial share. With these rules one backward pass through
+all ranks yields exact forces and stress for any composition of models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["LocalView", "ModelOutput", "Model", "virial_from_forces"]
+
+
+@dataclass
+class LocalView:
+    """A model's window on the system.
+
+    Attributes
+    ----------
+    positions : (R, 3) coordinates of the view's rows: ``n_owned`` owned rows,
+        then ghost images as explicit coordinates.
+    numbers : (R,) atomic numbers of the rows.
+    n_owned : number of owned rows.
+    cell, pbc : the global cell (rows are lattice vectors) and periodicity.
+    pairs : (2, P) directed pairs ``(i, j)`` with ``i < n_owned`` and
+        ``|r_j - r_i| <= cutoff`` (the model's cutoff).
+    vectors, distances : ``r_j - r_i`` and its length, differentiable.
+    fields : per-atom inputs on all R rows.
+    refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
+    global_sum : differentiable sum over all ranks.
+    n_total : number of atoms in the whole system.
+    ids : (R,) global atom index of each row (owner's index for ghosts).
+    """
+
+    positions: torch.Tensor
+    numbers: torch.Tensor
+    n_owned: int
+    cell: torch.Tensor
+    pbc: torch.Tensor
+    pairs: torch.Tensor
+    vectors: torch.Tensor
+    distances: torch.Tensor
+    fields: dict[str, torch.Tensor]
+    refresh: Callable[[torch.Tensor], torch.Tensor]
+    global_sum: Callable[[torch.Tensor], torch.Tensor]
+    n_total: int
+    ids: torch.Tensor
+    cutoff: float = 0.0
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    def pairs_within(self, cutoff: float) -> torch.Tensor:
+        """Boolean mask of the pairs within a shorter ``cutoff``."""
+        return self.distances <= cutoff
+
+
+@dataclass
+class ModelOutput:
+    """What a model returns for its view.
+
+    ``energies`` (n_owned,) per-atom energies, eV. ``fields`` produced per-atom
+    tensors for the owned rows. ``forces`` (R, 3) and ``virial`` (3, 3) only for
+    direct-force evaluation. ``virial`` is this view's share of
+    ``W = -dE/d(strain)``, which for a translation-invariant energy equals
+    ``sum_i r_i (x) f_i`` over the view's rows (:func:`virial_from_forces`);
+    stress is ``-W / volume``.
+    """
+
+    energies: torch.Tensor
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    forces: torch.Tensor | None = None
+    virial: torch.Tensor | None = None
+
+
+class Model(torch.nn.Module):
+    """Base class of interatomic models.
+
+    Subclasses set ``cutoff`` (Å, the neighbour list the model needs), and may
+    set ``inputs`` / ``outputs`` (names of per-atom fields consumed / produced),
+    ``direct_forces`` (True if :meth:`forward` can return forces and virial
+    without autograd) and override :attr:`halo` when ghost atoms further than
+    the cutoff are needed.
+    """
+
+    cutoff: float = 0.0
+    inputs: frozenset[str] = frozenset()
+    outputs: frozenset[str] = frozenset()
+    direct_forces: bool = False
+
+    @property
+    def halo(self) -> float:
+        """Width of the ghost shell (Å) the model needs around owned atoms."""
+        return float(self.cutoff)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def virial_from_forces(positions: torch.Tensor, forces: torch.Tensor) -> torch.Tensor:
+    """Virial ``W = sum_i r_i (x) f_i`` (= ``-dE/d(strain)`` for a translation-invariant energy)."""
+    return positions.transpose(0, 1) @ forces

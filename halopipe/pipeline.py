@@ -1,0 +1,316 @@
+"""Composing models: steps, groups and the pipeline.
+
+A :class:`Pipeline` is a list of :class:`Group` s run in order; energies,
+forces and stress add over groups.
+
+* A **direct group** (``autograd=False``) asks each model for its own forces
+  and virial and sums them; no graph is built.
+* An **autograd group** sums its models' energies and differentiates once:
+  forces are ``-dE/dr`` and stress the derivative with respect to a strain
+  applied to positions and cell together.
+* A **wired field** is a per-atom field produced by one step (say ``charges``
+  from a charge model) and consumed by a later step of the same autograd group
+  (say Ewald). It is passed with its graph, so the cross-model chain term
+  ``dE/dq * dq/dr`` is part of the forces and the stress.
+
+The evaluation (:func:`evaluate`) is written against the
+:class:`~halopipe.domain.Domain` interface, so the very same code runs on a
+single process and, through ``halopipe.distributed``, across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .domain import Domain, LocalDomain
+from .models.base import LocalView, Model
+from .neighbors import owned_pairs, pair_vectors
+from .system import System
+
+__all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view"]
+
+
+@dataclass
+class Step:
+    """One model in a group.
+
+    Parameters
+    ----------
+    model : the :class:`~halopipe.models.Model`.
+    wire : renames produced fields before later steps see them,
+        ``{produced_name: visible_name}``.
+    bind : where the model's inputs come from, ``{input_name: visible_name}``
+        (default: the same name).
+    name : label of this step's energy in results (default: model class name).
+    """
+
+    model: Model
+    wire: dict[str, str] = field(default_factory=dict)
+    bind: dict[str, str] = field(default_factory=dict)
+    name: str | None = None
+
+    def source_of(self, input_name: str) -> str:
+        return self.bind.get(input_name, input_name)
+
+    def produced(self) -> dict[str, str]:
+        """Model output name -> name visible to later steps."""
+        return {out: self.wire.get(out, out) for out in sorted(self.model.outputs)}
+
+
+@dataclass
+class Group:
+    """Steps evaluated together; see the module docstring for the two kinds."""
+
+    steps: list[Step]
+    autograd: bool = True
+
+    def __post_init__(self) -> None:
+        self.steps = [s if isinstance(s, Step) else Step(s) for s in self.steps]
+        if not self.steps:
+            raise ValueError("Group: a group needs at least one step")
+        if not self.autograd:
+            for s in self.steps:
+                if not s.model.direct_forces:
+                    raise ValueError(
+                        f"Group: {s.model.name} does not offer direct forces and cannot be in a direct group (autograd=False); put it in an autograd group"
+                    )
+
+
+def _as_groups(items) -> list[Group]:
+    groups = []
+    for item in items:
+        if isinstance(item, Group):
+            groups.append(item)
+        elif isinstance(item, Step):
+            groups.append(Group([item], autograd=not item.model.direct_forces))
+        elif isinstance(item, Model):
+            groups.append(Group([Step(item)], autograd=not item.direct_forces))
+        else:
+            raise TypeError(f"Pipeline: expected Group, Step or Model, got {type(item).__name__}")
+    return groups
+
+
+def _check_wiring(groups: list[Group]) -> None:
+    """Reject wiring whose chain term would be lost, at construction time."""
+    produced_in: dict[str, int] = {}
+    for g, group in enumerate(groups):
+        local: set[str] = set()
+        for step in group.steps:
+            for inp in sorted(step.model.inputs):
+                src = step.source_of(inp)
+                if src in local:
+                    continue
+                if src in produced_in:
+                    where = produced_in[src]
+                    kind = "a direct group" if not group.autograd else "another group"
+                    raise ValueError(
+                        f"Pipeline: field '{src}' is produced in group {where} and consumed by {step.model.name} in {kind} "
+                        f"(group {g}); the chain term dE/d{src} * d{src}/dr would be lost. Put producer and consumer in one autograd group."
+                    )
+            for visible in step.produced().values():
+                if not group.autograd:
+                    raise ValueError(f"Pipeline: {step.model.name} produces '{visible}' in a direct group; producers belong in autograd groups")
+                local.add(visible)
+        for name in local:
+            produced_in.setdefault(name, g)
+
+
+def _unique_names(groups: list[Group]) -> list[list[str]]:
+    seen: dict[str, int] = {}
+    names = []
+    for group in groups:
+        row = []
+        for step in group.steps:
+            base = step.name or step.model.name
+            seen[base] = seen.get(base, 0) + 1
+            row.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
+        names.append(row)
+    return names
+
+
+class Pipeline(torch.nn.Module):
+    """A composite potential: groups of models evaluated in order.
+
+    Parameters
+    ----------
+    groups : list of :class:`Group` (a bare :class:`Step` or model becomes its
+        own group: direct if it offers direct forces, autograd otherwise).
+    skin : neighbour-list skin (Å); plans and lists are reused across calls
+        until some atom moved more than ``skin / 2``.
+
+    Calling ``pipeline(system, stress=False)`` returns a dict with ``energy``
+    (total, eV), ``energies`` (per step name), ``forces`` (N, 3), ``stress``
+    (3, 3, eV/Å³, ASE sign convention) when asked, and every produced field.
+    """
+
+    def __init__(self, groups, skin: float = 0.0) -> None:
+        super().__init__()
+        self.groups = _as_groups(groups)
+        _check_wiring(self.groups)
+        self.names = _unique_names(self.groups)
+        self.models = torch.nn.ModuleList([s.model for g in self.groups for s in g.steps])
+        self.skin = float(skin)
+        self._domain: LocalDomain | None = None
+        self._pair_cache: dict = {}
+
+    @property
+    def halo(self) -> float:
+        """The widest halo any model needs."""
+        return max(s.model.halo for g in self.groups for s in g.steps)
+
+    @property
+    def cutoff(self) -> float:
+        return max(s.model.cutoff for g in self.groups for s in g.steps)
+
+    def required_fields(self) -> set[str]:
+        """Input fields that no earlier step produces: the system must carry them."""
+        need, made = set(), set()
+        for group in self.groups:
+            for step in group.steps:
+                need |= {step.source_of(i) for i in step.model.inputs} - made
+                made |= set(step.produced().values())
+        return need
+
+    def check_system(self, system_fields, where: str = "Pipeline") -> None:
+        missing = sorted(self.required_fields() - set(system_fields))
+        if missing:
+            raise ValueError(f"{where}: the system lacks field(s) {missing} that no step produces; add them to System.fields or wire a model that produces them")
+
+    def domain_for(self, system: System) -> LocalDomain:
+        if self._domain is not None and self._domain.compatible(system):
+            self._domain.update(system)
+        else:
+            self._domain = LocalDomain(system, skin=self.skin)
+            self._pair_cache = {}
+        return self._domain
+
+    def forward(self, system: System, stress: bool = False) -> dict:
+        if not isinstance(system, System):
+            raise TypeError(f"Pipeline: expected a halopipe.System, got {type(system).__name__}")
+        self.check_system(system.fields)
+        domain = self.domain_for(system)
+        return evaluate(self, domain, stress=stress, pair_cache=self._pair_cache)
+
+
+# --------------------------------------------------------------------------- views
+def build_view(domain: Domain, model: Model, positions: torch.Tensor, cell: torch.Tensor, fields: dict[str, torch.Tensor], step: Step, pair_cache: dict, key) -> LocalView:
+    """The local view of ``model``: owned rows, its ghosts, pairs and inputs."""
+    width = model.halo
+    n = domain.n_owned
+    n_ghost = domain.ghost_count(width)
+    ghost_shift = domain.ghost_shift[:n_ghost].to(positions.dtype)
+    owned = positions + domain.owned_shift.to(positions.dtype) @ cell
+    rows = torch.cat([owned, domain.gather(positions, width) + ghost_shift @ cell])
+
+    def refresh(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, domain.gather(x, width)])
+
+    cache_key = (key, domain.plan_version)
+    candidates = pair_cache.get(cache_key)
+    if candidates is None:
+        for old in [k for k in pair_cache if k[0] == key]:
+            del pair_cache[old]
+        candidates = owned_pairs(rows.detach(), n, model.cutoff + domain.skin)
+        pair_cache[cache_key] = candidates
+    vec, dist = pair_vectors(rows, candidates)
+    keep = dist.detach() <= model.cutoff
+    pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
+    inputs = {name: refresh(fields[step.source_of(name)]) for name in sorted(model.inputs)}
+    return LocalView(
+        positions=rows, numbers=torch.cat([domain.numbers, domain.ghost_numbers[:n_ghost]]), n_owned=n,
+        cell=cell, pbc=domain.pbc, pairs=pairs, vectors=vec, distances=dist, fields=inputs, refresh=refresh,
+        global_sum=domain.global_sum, n_total=domain.n_total, ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
+        cutoff=float(model.cutoff),
+    )
+
+
+# ---------------------------------------------------------------------- evaluation
+def _volume(cell: torch.Tensor) -> float:
+    v = float(torch.linalg.det(cell.detach().to(torch.float64)).abs())
+    if v < 1e-12:
+        raise ValueError("stress requested but the cell has zero volume; stress needs a cell spanning three dimensions")
+    return v
+
+
+def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cache: dict | None = None) -> dict:
+    """Energy, forces (owned rows) and optionally stress of ``pipeline`` on ``domain``."""
+    pair_cache = {} if pair_cache is None else pair_cache
+    if stress:
+        volume = _volume(domain.cell)
+    domain.prepare(pipeline.halo)
+    n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
+    forces = torch.zeros(n, 3, dtype=dtype, device=device)
+    virial = torch.zeros(3, 3, dtype=dtype, device=device)
+    local_energy: list[torch.Tensor] = []
+    produced: dict[str, torch.Tensor] = {}
+    static = dict(domain.fields)
+    for g, group in enumerate(pipeline.groups):
+        run = _run_autograd_group if group.autograd else _run_direct_group
+        f, w, e, p = run(group, g, domain, static, stress, pair_cache)
+        forces += f
+        virial += w
+        local_energy.extend(e)
+        produced.update(p)
+    totals = domain.all_reduce(torch.stack(local_energy).detach())
+    names = [name for row in pipeline.names for name in row]
+    result = {
+        "energy": totals.sum(),
+        "energies": {name: totals[k] for k, name in enumerate(names)},
+        "forces": forces,
+    }
+    if stress:
+        result["virial"] = domain.all_reduce(virial)
+        result["stress"] = -result["virial"] / volume
+    result.update(produced)
+    return result
+
+
+def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict):
+    pos = domain.positions.detach().requires_grad_(True)
+    cell = domain.cell.detach()
+    eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
+    if stress:
+        strain = torch.eye(3, dtype=pos.dtype, device=pos.device) + eps
+        positions, cell = pos @ strain, cell @ strain
+    else:
+        positions = pos
+    fields = dict(static)
+    made: dict[str, torch.Tensor] = {}
+    energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
+    shares = []
+    for k, step in enumerate(group.steps):
+        view = build_view(domain, step.model, positions, cell, fields, step, pair_cache, (g, k))
+        out = step.model(view)
+        share = out.energies.sum()
+        energy = energy + share
+        shares.append(share.detach())
+        for out_name, visible in step.produced().items():
+            fields[visible] = out.fields[out_name]
+            made[visible] = out.fields[out_name].detach()
+    wrt = [pos, eps] if stress else [pos]
+    grads = torch.autograd.grad(energy, wrt, allow_unused=True)
+    forces = -grads[0] if grads[0] is not None else torch.zeros_like(pos)
+    virial = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device)
+    if stress and grads[1] is not None:
+        virial = -grads[1]
+    return forces.detach(), virial.detach(), shares, made
+
+
+def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict):
+    n = domain.n_owned
+    positions, cell = domain.positions.detach(), domain.cell.detach()
+    forces = torch.zeros_like(positions)
+    virial = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
+    shares = []
+    with torch.no_grad():
+        for k, step in enumerate(group.steps):
+            view = build_view(domain, step.model, positions, cell, static, step, pair_cache, (g, k))
+            out = step.model(view, direct=True)
+            if out.forces is None or out.virial is None:
+                raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")
+            forces += out.forces[:n] + domain.scatter_back(out.forces[n:], step.model.halo)
+            virial += out.virial
+            shares.append(out.energies.sum())
+    return forces, virial, shares, {}
