@@ -1,0 +1,166 @@
+"""A reusable conformance check that every model's tests call.
+
+:func:`check_model` evaluates a model on a system through a single-process
+:class:`~halopipe.Pipeline` and checks what any correct model must satisfy:
+
+* forces equal ``-dE/dr`` by central finite differences;
+* stress equals the strain derivative ``(1/V) dE/d(strain)`` by finite
+  differences (periodic systems);
+* energy is invariant under translation and rotation (forces rotate along);
+* forces sum to zero;
+* direct forces and virial, where offered, equal the autograd ones;
+* produced per-atom fields are invariant under translation and rotation.
+
+Run it in float64: tolerances are set for that.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .pipeline import Group, Pipeline, Step
+from .system import System
+
+__all__ = ["check_model", "finite_difference_forces", "finite_difference_stress", "random_rotation"]
+
+
+def _energy(pipeline: Pipeline, system: System) -> float:
+    return float(pipeline(system)["energy"])
+
+
+def finite_difference_forces(pipeline: Pipeline, system: System, atoms, h: float = 1e-5) -> torch.Tensor:
+    """Central-difference forces ``-dE/dr`` on the listed atoms, (len(atoms), 3)."""
+    out = torch.zeros(len(atoms), 3, dtype=torch.float64)
+    for k, i in enumerate(atoms):
+        for a in range(3):
+            plus, minus = system.positions.clone(), system.positions.clone()
+            plus[i, a] += h
+            minus[i, a] -= h
+            ep = _energy(pipeline, system.replace(positions=plus))
+            em = _energy(pipeline, system.replace(positions=minus))
+            out[k, a] = -(ep - em) / (2 * h)
+    return out
+
+
+def finite_difference_stress(pipeline: Pipeline, system: System, h: float = 1e-6) -> torch.Tensor:
+    """``(1/V) dE/d(strain)`` by central differences on a symmetric strain."""
+    volume = system.volume
+    out = torch.zeros(3, 3, dtype=torch.float64)
+    eye = torch.eye(3, dtype=system.dtype)
+    for a in range(3):
+        for b in range(a, 3):
+            e = torch.zeros(3, 3, dtype=system.dtype)
+            e[a, b] = e[b, a] = h if a != b else h
+            vals = []
+            for sign in (1.0, -1.0):
+                strain = eye + sign * e
+                s = system.replace(positions=system.positions @ strain, cell=system.cell @ strain)
+                vals.append(_energy(pipeline, s))
+            d = (vals[0] - vals[1]) / (2 * h)
+            if a != b:
+                d /= 2.0  # symmetric strain moves two components at once
+            out[a, b] = out[b, a] = d / volume
+    return out
+
+
+def random_rotation(seed: int = 0) -> torch.Tensor:
+    """A proper rotation matrix drawn from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(3, 3, generator=g, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))
+    if torch.det(q) < 0:
+        q[:, 0] = -q[:, 0]
+    return q
+
+
+def _close(name: str, got, want, atol: float, rtol: float, report: dict) -> None:
+    got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    err = float((got - want).abs().max()) if got.numel() else 0.0
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    report[name] = err
+    if not err <= atol + rtol * scale:
+        raise AssertionError(f"check_model: {name} differs by {err:.3e} (atol {atol:g}, rtol {rtol:g}, scale {scale:.3e})")
+
+
+def check_model(
+    model,
+    system: System,
+    *,
+    n_fd_atoms: int = 4,
+    fd_step: float = 1e-5,
+    force_atol: float = 1e-6,
+    stress_atol: float = 1e-7,
+    atol: float = 1e-9,
+    seed: int = 0,
+) -> dict:
+    """Check a model's conformance on ``system``; raises ``AssertionError``.
+
+    Parameters
+    ----------
+    model : a :class:`~halopipe.models.Model`.
+    system : float64 system carrying every input field the model needs.
+    n_fd_atoms : atoms whose forces are checked by finite differences.
+    force_atol, stress_atol : tolerances against finite differences (eV/Å, eV/Å³).
+    atol : tolerance of exact identities (invariances, direct vs autograd),
+        relative to the size of the compared quantity.
+
+    Returns
+    -------
+    dict of the largest error seen in each check.
+    """
+    report: dict[str, float] = {}
+    pipe = Pipeline([Group([Step(model)], autograd=True)])
+    periodic = bool(system.pbc.all())
+    ref = pipe(system, stress=periodic)
+    energy, forces = float(ref["energy"]), ref["forces"]
+
+    # Forces against central differences of the energy.
+    g = torch.Generator().manual_seed(seed)
+    atoms = torch.randperm(system.n_atoms, generator=g)[: min(n_fd_atoms, system.n_atoms)].tolist()
+    fd = finite_difference_forces(pipe, system, atoms, h=fd_step)
+    _close("forces_vs_finite_differences", forces[atoms], fd, force_atol, 1e-6, report)
+
+    if periodic:
+        fd_stress = finite_difference_stress(pipe, system)
+        _close("stress_vs_finite_differences", ref["stress"], fd_stress, stress_atol, 1e-6, report)
+
+    # Forces sum to zero (translation invariance of the energy).
+    _close("net_force", forces.sum(dim=0), torch.zeros(3), atol * max(1.0, float(forces.abs().sum())), 0.0, report)
+
+    # Translation.
+    shift = torch.tensor([0.37, -1.21, 2.05], dtype=system.dtype)
+    moved = pipe(system.replace(positions=system.positions + shift))
+    scale = max(1.0, abs(energy))
+    _close("translation_energy", moved["energy"], energy, atol * scale, 0.0, report)
+    _check_fields("translation", model, moved, ref, atol, report)
+
+    # Rotation of positions and cell together.
+    rot = random_rotation(seed).to(system.dtype)
+    rotated = pipe(system.replace(positions=system.positions @ rot.T, cell=system.cell @ rot.T, fields=_rotate_fields(system.fields, rot)))
+    _close("rotation_energy", rotated["energy"], energy, atol * scale, 0.0, report)
+    _close("rotation_forces", rotated["forces"], forces @ rot.T, atol * max(1.0, float(forces.abs().max())), 0.0, report)
+    _check_fields("rotation", model, rotated, ref, atol, report)
+
+    if model.direct_forces:
+        direct = Pipeline([Group([Step(model)], autograd=False)])(system, stress=periodic)
+        _close("direct_energy", direct["energy"], energy, atol * scale, 0.0, report)
+        _close("direct_forces", direct["forces"], forces, atol * max(1.0, float(forces.abs().max())), 0.0, report)
+        if periodic:
+            _close("direct_stress", direct["stress"], ref["stress"], atol * max(1e-3, float(ref["stress"].abs().max())), 0.0, report)
+    if not math.isfinite(energy):
+        raise AssertionError(f"check_model: energy is not finite ({energy})")
+    return report
+
+
+def _rotate_fields(fields: dict, rot: torch.Tensor) -> dict:
+    """Vector fields (N, 3) rotate with the system; scalars stay."""
+    return {k: (v @ rot.T if v.ndim == 2 and v.shape[1] == 3 and v.is_floating_point() else v) for k, v in fields.items()}
+
+
+def _check_fields(label: str, model, got: dict, ref: dict, atol: float, report: dict) -> None:
+    for name in sorted(model.outputs):
+        a, b = got[name], ref[name]
+        if a.ndim == 1:
+            _close(f"{label}_{name}", a, b, atol * max(1.0, float(b.abs().max())), 0.0, report)
