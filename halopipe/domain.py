@@ -3,8 +3,8 @@
 A :class:`Domain` owns a set of atoms and knows, for any halo width ``w``, the
 ghost rows within ``w`` (plus a skin margin) of its region, sorted by distance
 so that a narrower halo is a prefix of a wider one (nested halos from one
-plan). ``gather(x_owned, w)`` produces the ghost rows of a per-atom tensor from
-their owners, differentiably; ``scatter_back`` is its adjoint.
+plan). ``ghost_rows(x_owned, w)`` produces the ghost rows of a per-atom tensor from
+their owners, differentiably; ``fold_ghosts`` is its adjoint.
 
 :class:`LocalDomain` is the single-process domain: one brick covering the
 cell, ghosts are the periodic images of the atoms themselves. The distributed
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from .distributed.partition import Partition, images_near_bricks
 from .neighbors import max_displacement
 
 __all__ = ["Domain", "LocalDomain", "skin_margin"]
@@ -75,10 +74,10 @@ class Domain:
         limit = float(width) + skin_margin(self.skin) + 1e-12
         return int(torch.searchsorted(self.ghost_distance, torch.tensor([limit], dtype=self.ghost_distance.dtype, device=self.ghost_distance.device), right=True))
 
-    def gather(self, x: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
+    def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def scatter_back(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
+    def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +160,9 @@ class LocalDomain(Domain):
         return True
 
     def _build(self, width: float) -> None:
+        # Imported here: the distributed package imports the pipeline, which imports this module.
+        from .distributed.partition import Partition, images_near_bricks
+
         partition = Partition.build((1, 1, 1), self.cell, self.pbc)
         frac = partition.geometry.fractional(self.positions)
         wrapped, image = partition.wrap(frac)
@@ -177,9 +179,9 @@ class LocalDomain(Domain):
         self._width = float(width)
         self.plan_version += 1
 
-    def gather(self, x: torch.Tensor, width: float) -> torch.Tensor:
+    def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:
         return _IndexGather.apply(x, self.ghost_atom[: self.ghost_count(width)])
 
-    def scatter_back(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
+    def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         out = x_ghost.new_zeros((self.n_owned,) + x_ghost.shape[1:])
         return out.index_add_(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)

@@ -195,17 +195,19 @@ class Pipeline(torch.nn.Module):
 
 
 # --------------------------------------------------------------------------- views
-def build_view(domain: Domain, model: Model, positions: torch.Tensor, cell: torch.Tensor, fields: dict[str, torch.Tensor], step: Step, pair_cache: dict, key) -> LocalView:
-    """The local view of ``model``: owned rows, its ghosts, pairs and inputs."""
-    width = model.halo
+def build_view(
+    domain: Domain, step: Step, width: float, positions: torch.Tensor, cell: torch.Tensor, fields: dict[str, torch.Tensor], pair_cache: dict, key
+) -> LocalView:
+    """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs."""
+    model = step.model
     n = domain.n_owned
     n_ghost = domain.ghost_count(width)
     ghost_shift = domain.ghost_shift[:n_ghost].to(positions.dtype)
     owned = positions + domain.owned_shift.to(positions.dtype) @ cell
-    rows = torch.cat([owned, domain.gather(positions, width) + ghost_shift @ cell])
+    rows = torch.cat([owned, domain.ghost_rows(positions, width) + ghost_shift @ cell])
 
     def refresh(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, domain.gather(x, width)])
+        return torch.cat([x, domain.ghost_rows(x, width)])
 
     cache_key = (key, domain.plan_version)
     candidates = pair_cache.get(cache_key)
@@ -234,9 +236,14 @@ def _volume(cell: torch.Tensor) -> float:
     return v
 
 
-def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cache: dict | None = None) -> dict:
-    """Energy, forces (owned rows) and optionally stress of ``pipeline`` on ``domain``."""
+def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cache: dict | None = None, halo_of=None) -> dict:
+    """Energy, forces (owned rows) and optionally stress of ``pipeline`` on ``domain``.
+
+    ``halo_of(model)`` gives the ghost width each model's view uses (default:
+    the model's own ``halo``; the widest halo for LAMMPS-like comparison).
+    """
     pair_cache = {} if pair_cache is None else pair_cache
+    halo_of = halo_of or (lambda model: model.halo)
     if stress:
         volume = _volume(domain.cell)
     domain.prepare(pipeline.halo)
@@ -248,7 +255,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     static = dict(domain.fields)
     for g, group in enumerate(pipeline.groups):
         run = _run_autograd_group if group.autograd else _run_direct_group
-        f, w, e, p = run(group, g, domain, static, stress, pair_cache)
+        f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of)
         forces += f
         virial += w
         local_energy.extend(e)
@@ -267,7 +274,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     return result
 
 
-def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict):
+def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of):
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
     eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
@@ -281,7 +288,7 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     shares = []
     for k, step in enumerate(group.steps):
-        view = build_view(domain, step.model, positions, cell, fields, step, pair_cache, (g, k))
+        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, (g, k))
         out = step.model(view)
         share = out.energies.sum()
         energy = energy + share
@@ -298,7 +305,7 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     return forces.detach(), virial.detach(), shares, made
 
 
-def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict):
+def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of):
     n = domain.n_owned
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
@@ -306,11 +313,12 @@ def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress
     shares = []
     with torch.no_grad():
         for k, step in enumerate(group.steps):
-            view = build_view(domain, step.model, positions, cell, static, step, pair_cache, (g, k))
+            width = halo_of(step.model)
+            view = build_view(domain, step, width, positions, cell, static, pair_cache, (g, k))
             out = step.model(view, direct=True)
             if out.forces is None or out.virial is None:
                 raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")
-            forces += out.forces[:n] + domain.scatter_back(out.forces[n:], step.model.halo)
+            forces += out.forces[:n] + domain.fold_ghosts(out.forces[n:], width)
             virial += out.virial
             shares.append(out.energies.sum())
     return forces, virial, shares, {}

@@ -146,15 +146,31 @@ class Partition:
             cols.append(torch.bucketize(wrapped[:, a].contiguous(), inner, right=True))
         return torch.stack(cols, dim=1)
 
-    def distance_outside(self, wrapped: torch.Tensor, brick: torch.Tensor) -> torch.Tensor:
-        """Slab distance (Å) of each point outside its given brick, 0 inside."""
-        out = torch.zeros(wrapped.shape[0], dtype=torch.float64, device=wrapped.device)
+    def nearest_image(self, wrapped: torch.Tensor, brick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The periodic image of each point closest to the given brick.
+
+        Returns the integer image ``n`` (N, 3) relative to ``wrapped`` and the
+        slab distance (Å) of ``wrapped + n`` outside the brick (0 inside).
+        """
+        device = wrapped.device
+        dist = torch.zeros(wrapped.shape[0], dtype=torch.float64, device=device)
+        images = torch.zeros(wrapped.shape, dtype=torch.int64, device=device)
         for a in range(3):
-            lo = self.bounds[a].to(wrapped.device)[brick[:, a]]
-            hi = self.bounds[a].to(wrapped.device)[brick[:, a] + 1]
-            ex = torch.clamp(torch.maximum(lo - wrapped[:, a], wrapped[:, a] - hi), min=0.0)
-            out = torch.maximum(out, torch.nan_to_num(ex, nan=0.0, posinf=0.0) * float(self.geometry.heights[a]))
-        return out
+            lo = self.bounds[a].to(device)[brick[:, a]]
+            hi = self.bounds[a].to(device)[brick[:, a] + 1]
+            cand = torch.tensor([0, -1, 1] if self.geometry.pbc[a] else [0], device=device)
+            x = wrapped[:, a, None] + cand[None, :].to(torch.float64)
+            ex = torch.clamp(torch.maximum(lo[:, None] - x, x - hi[:, None]), min=0.0)
+            ex = torch.nan_to_num(ex, nan=0.0) * float(self.geometry.heights[a])
+            best = ex.argmin(dim=1)
+            images[:, a] = cand[best]
+            dist = torch.maximum(dist, ex.gather(1, best[:, None])[:, 0])
+        return images, dist
+
+    def brick_index_of_rank(self, rank: torch.Tensor) -> torch.Tensor:
+        """(N, 3) brick index of each given rank."""
+        _, py, pz = self.grid
+        return torch.stack([rank // (py * pz), (rank // pz) % py, rank % pz], dim=1)
 
 
 @dataclass
@@ -173,7 +189,12 @@ class ImageSet:
 
 
 def images_near_bricks(
-    partition: Partition, wrapped: torch.Tensor, image: torch.Tensor, width: float, own_rank: torch.Tensor | None = None
+    partition: Partition,
+    wrapped: torch.Tensor,
+    image: torch.Tensor,
+    width: float,
+    own_rank: torch.Tensor | None = None,
+    own_image: torch.Tensor | None = None,
 ) -> ImageSet:
     """All images of the given atoms within ``width`` (slab metric) of any brick.
 
@@ -183,8 +204,9 @@ def images_near_bricks(
         integer image removed by wrapping (so the stored position is
         ``wrapped + image`` in fractional units).
     width : halo width in Å.
-    own_rank : optional (N,) owner of each atom; the identity image of an atom
-        in its owner's brick is excluded (it is an owned row, not a ghost).
+    own_rank : optional (N,) owner of each atom; the image at which the atom
+        is an owned row (``own_image``, default 0, relative to ``wrapped``) in
+        its owner's brick is excluded: it is not a ghost.
 
     Works per axis on dense candidate masks (atoms x bricks x images), then
     combines the axes by broadcasting: no Python loop over atoms.
@@ -223,7 +245,8 @@ def images_near_bricks(
     # Shift relative to the stored (unwrapped) position.
     shift = shift_wrapped - image[atom]
     if own_rank is not None:
-        keep = ~((rank == own_rank[atom]) & (shift_wrapped == 0).all(dim=1))
+        home = torch.zeros_like(shift_wrapped) if own_image is None else own_image[atom]
+        keep = ~((rank == own_rank[atom]) & (shift_wrapped == home).all(dim=1))
         atom, rank, shift, dist = atom[keep], rank[keep], shift[keep], dist[keep]
     return ImageSet(atom=atom, rank=rank, shift=shift, distance=dist)
 

@@ -1,0 +1,136 @@
+"""The halo: which ghost rows a rank receives, and how they are refreshed.
+
+At each rebuild every rank lists the images of its owned atoms that fall
+within the widest halo width of some brick (its own brick included, for
+periodic images), sorted per destination by distance to that brick, and sends
+each destination its list directly (one message per pair of ranks that
+interact; no all-gather). A rank's ghost rows are what it received, sorted by
+distance, so a model with a narrower halo uses a *prefix* of the ghost rows
+and a refresh at width ``w`` only moves the rows within ``w``: nested halos
+from one plan, each model paying only for its own width.
+
+:class:`HaloGather` is the differentiable refresh: forward sends owner rows
+to the ranks holding their ghosts; backward sends the ghost rows' gradients
+back and sums them into the owners.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import Comm
+from .partition import ImageSet
+
+__all__ = ["HaloPlan", "HaloGather"]
+
+
+class HaloPlan:
+    """Send and receive lists of one rank for the current partition.
+
+    Built collectively from the images of the owned atoms (``ImageSet``).
+    Ghost rows are ordered by distance; ``ghost_shift`` places a ghost row at
+    ``r_owner + ghost_shift @ cell``.
+    """
+
+    def __init__(self, comm: Comm, images: ImageSet, numbers: torch.Tensor, ids: torch.Tensor) -> None:
+        self.comm = comm
+        size, device = comm.size, numbers.device
+        order = torch.argsort(images.distance, stable=True)
+        order = order[torch.argsort(images.rank[order], stable=True)]  # by destination, then distance
+        self.send_atom = images.atom[order]
+        send_rank = images.rank[order]
+        send_dist = images.distance[order]
+        counts = torch.bincount(send_rank, minlength=size)
+        matrix = torch.zeros(size, size, dtype=torch.int64, device=device)
+        matrix[comm.rank] = counts
+        matrix = comm.all_reduce(matrix)
+        self.send_counts = matrix[comm.rank].tolist()
+        self.recv_counts = matrix[:, comm.rank].tolist()
+        starts = torch.cumsum(counts, 0) - counts
+        self.send_index = {d: self.send_atom[int(starts[d]): int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
+        self.send_dist = {d: send_dist[int(starts[d]): int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
+        # Metadata travels once per rebuild: species, id, image shift, distance.
+        meta_int = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order]], dim=1)
+        recv_int = self._exchange_rows(meta_int, torch.int64)
+        recv_dist = self._exchange_rows(send_dist[:, None], torch.float64)
+        blocks_int = torch.cat([recv_int[s] for s in sorted(recv_int)]) if recv_int else torch.zeros(0, 5, dtype=torch.int64, device=device)
+        blocks_dist = torch.cat([recv_dist[s] for s in sorted(recv_dist)])[:, 0] if recv_dist else torch.zeros(0, dtype=torch.float64, device=device)
+        self.recv_dist = {s: recv_dist[s][:, 0] for s in recv_dist}
+        ghost_order = torch.argsort(blocks_dist, stable=True)
+        self.ghost_numbers = blocks_int[ghost_order, 0]
+        self.ghost_ids = blocks_int[ghost_order, 1]
+        self.ghost_shift = blocks_int[ghost_order, 2:5]
+        self.ghost_distance = blocks_dist[ghost_order]
+        # Position in the sorted ghost rows of each received row, per source.
+        where = torch.empty_like(ghost_order)
+        where[ghost_order] = torch.arange(ghost_order.numel(), device=device)
+        self.recv_slot = {}
+        offset = 0
+        for s in sorted(recv_int):
+            c = recv_int[s].shape[0]
+            self.recv_slot[s] = where[offset: offset + c]
+            offset += c
+        self._counts_cache: dict[float, tuple[dict, dict, int]] = {}
+
+    def _exchange_rows(self, rows: torch.Tensor, dtype) -> dict[int, torch.Tensor]:
+        starts = 0
+        sends = {}
+        for d, c in enumerate(self.send_counts):
+            if c:
+                sends[d] = rows[starts: starts + c].to(dtype)
+            starts += c
+        shapes = {s: (c, rows.shape[1]) for s, c in enumerate(self.recv_counts) if c}
+        return self.comm.exchange(sends, shapes, dtype, rows.device)
+
+    @property
+    def n_ghost(self) -> int:
+        return int(self.ghost_distance.numel())
+
+    def counts(self, limit: float) -> tuple[dict[int, int], dict[int, int], int]:
+        """Rows sent to / received from each peer for ghosts within ``limit``."""
+        hit = self._counts_cache.get(limit)
+        if hit is None:
+            lim = torch.tensor([limit], dtype=torch.float64)
+            send = {d: int(torch.searchsorted(v.cpu(), lim, right=True)) for d, v in self.send_dist.items()}
+            recv = {s: int(torch.searchsorted(v.cpu(), lim, right=True)) for s, v in self.recv_dist.items()}
+            hit = (send, recv, sum(recv.values()))
+            self._counts_cache[limit] = hit
+        return hit
+
+    def forward_rows(self, x: torch.Tensor, limit: float) -> torch.Tensor:
+        """Ghost rows (within ``limit``) of a per-atom tensor, from the owners."""
+        send, recv, n_ghost = self.counts(limit)
+        sends = {d: x[self.send_index[d][:k]] for d, k in send.items()}
+        shapes = {s: (k,) + tuple(x.shape[1:]) for s, k in recv.items()}
+        got = self.comm.exchange(sends, shapes, x.dtype, x.device)
+        out = x.new_empty((n_ghost,) + tuple(x.shape[1:]))
+        for s, k in recv.items():
+            if k:
+                out[self.recv_slot[s][:k]] = got[s]
+        return out
+
+    def backward_rows(self, g: torch.Tensor, n_owned: int, limit: float) -> torch.Tensor:
+        """Adjoint of :meth:`forward_rows`: ghost-row values summed into owners."""
+        send, recv, _ = self.counts(limit)
+        sends = {s: g[self.recv_slot[s][:k]] for s, k in recv.items()}
+        shapes = {d: (k,) + tuple(g.shape[1:]) for d, k in send.items()}
+        got = self.comm.exchange(sends, shapes, g.dtype, g.device)
+        out = g.new_zeros((n_owned,) + tuple(g.shape[1:]))
+        for d, k in send.items():
+            if k:
+                out.index_add_(0, self.send_index[d][:k], got[d])
+        return out
+
+
+class HaloGather(torch.autograd.Function):
+    """Differentiable refresh: owner rows -> ghost rows; backward sums home."""
+
+    @staticmethod
+    def forward(ctx, x, plan: HaloPlan, limit: float):
+        ctx.plan, ctx.n_owned = plan, x.shape[0]
+        ctx.limit = limit
+        return plan.forward_rows(x, limit)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.plan.backward_rows(grad.contiguous(), ctx.n_owned, ctx.limit), None, None

@@ -1,0 +1,284 @@
+"""A system split over ranks: each rank owns the atoms of one brick.
+
+:meth:`ShardedSystem.scatter` distributes a :class:`~halopipe.System` held by
+one rank. Afterwards each rank holds only its owned atoms (positions, species,
+masses, global ``ids`` and every per-atom field) and, once a pipeline asks for
+it, a halo plan. Plans are rebuilt only when some atom moved more than skin/2
+since the last build (decided globally, so all ranks rebuild together); at a
+rebuild atoms that left their brick by more than skin/2 migrate to their new
+owner (the skin/2 hysteresis keeps boundary atoms from flipping every step).
+
+``ShardedSystem`` implements the :class:`~halopipe.domain.Domain` interface,
+so :func:`halopipe.pipeline.evaluate` runs on it unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..domain import Domain, skin_margin
+from ..neighbors import max_displacement
+from ..system import System
+from .comm import Comm
+from .halo import HaloGather, HaloPlan
+from .partition import Partition, choose_grid, images_near_bricks
+
+__all__ = ["DomainConfig", "ShardedSystem"]
+
+
+@dataclass
+class DomainConfig:
+    """How space is split and halos are built.
+
+    Parameters
+    ----------
+    grid : bricks per axis ``(px, py, pz)``; ``None`` picks the factorisation
+        of the world size that minimises brick surface.
+    skin : neighbour-list skin, Å (plans are reused until an atom moved skin/2).
+    halo : ``"per_model"`` (each model gets the ghosts its own halo needs) or
+        ``"max"`` (every model gets the widest halo, as LAMMPS hybrid/overlay
+        does; for comparison and benchmarks).
+    timeout : seconds a rank waits for its peers before failing.
+    """
+
+    grid: tuple[int, int, int] | None = None
+    skin: float = 0.0
+    halo: str = "per_model"
+    timeout: float = 120.0
+
+    def problem(self, world_size: int) -> str | None:
+        """What is wrong with this configuration for ``world_size`` ranks, if anything."""
+        if self.grid is not None:
+            grid = tuple(self.grid)
+            if len(grid) != 3 or any((not isinstance(g, int)) or g < 1 for g in grid):
+                return f"DomainConfig.grid must be three positive integers, got {self.grid}"
+            if math.prod(grid) != world_size:
+                return f"DomainConfig.grid {grid} has {math.prod(grid)} bricks but the world size is {world_size}; use a grid whose product is {world_size} or grid=None"
+        if not (self.skin >= 0 and math.isfinite(self.skin)):
+            return f"DomainConfig.skin must be a finite number >= 0, got {self.skin}"
+        if self.halo not in ("per_model", "max"):
+            return f"DomainConfig.halo must be 'per_model' or 'max', got {self.halo!r}"
+        if not self.timeout > 0:
+            return f"DomainConfig.timeout must be positive, got {self.timeout}"
+        return None
+
+
+class ShardedSystem(Domain):
+    """The owned part of a system on this rank (see the module docstring)."""
+
+    def __init__(self, comm: Comm, config: DomainConfig, meta: dict) -> None:
+        self.comm, self.config = comm, config
+        self.cell, self.pbc = meta["cell"], meta["pbc"]
+        self.n_total, self.grid = meta["n_total"], meta["grid"]
+        self.schema: dict[str, tuple[tuple[int, ...], torch.dtype]] = meta["schema"]
+        self.skin = float(config.skin)
+        self.plan_version = 0
+        self.plan: HaloPlan | None = None
+        self.partition: Partition | None = None
+        self.rebuilds = 0
+        self._width = -1.0
+        self._ref: torch.Tensor | None = None
+
+    # ------------------------------------------------------------- creation
+    @classmethod
+    def scatter(cls, system: System | None, config: DomainConfig | None = None, src: int = 0) -> "ShardedSystem":
+        """Distribute ``system`` (held by rank ``src``; ``None`` elsewhere) over all ranks.
+
+        Collective: every rank calls it. Bad input is reported on every rank
+        before any data moves.
+        """
+        config = config or DomainConfig()
+        comm = Comm(timeout=config.timeout)
+        comm.agree(_scatter_problem(system, config, src, comm))
+        meta = None
+        if comm.rank == src:
+            grid = tuple(config.grid) if config.grid is not None else choose_grid(comm.size, system.cell, system.pbc)
+            schema = {k: (tuple(v.shape[1:]), v.dtype) for k, v in system.fields.items()}
+            meta = {"cell": system.cell.cpu(), "pbc": system.pbc.cpu(), "n_total": system.n_atoms, "grid": grid, "schema": schema,
+                    "dtype": system.dtype, "device": str(system.device)}
+        meta = comm.broadcast_object(meta, src=src)
+        device = torch.device(meta["device"]) if comm.rank == src else _local_device(meta["device"])
+        meta["cell"], meta["pbc"] = meta["cell"].to(device), meta["pbc"].to(device)
+        self = cls(comm, config, meta)
+        if comm.rank == src:
+            self.positions, self.numbers, self.masses = system.positions, system.numbers, system.masses
+            self.ids = torch.arange(system.n_atoms, device=device)
+            self.fields = dict(system.fields)
+        else:
+            dtype = meta["dtype"]
+            self.positions = torch.zeros(0, 3, dtype=dtype, device=device)
+            self.numbers = torch.zeros(0, dtype=torch.int64, device=device)
+            self.masses = torch.zeros(0, dtype=dtype, device=device)
+            self.ids = torch.zeros(0, dtype=torch.int64, device=device)
+            self.fields = {k: torch.zeros((0,) + shape, dtype=dt, device=device) for k, (shape, dt) in self.schema.items()}
+        with comm.guard("scatter"):
+            self._repartition(hysteresis=False)
+        return self
+
+    # ------------------------------------------------------------ utilities
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.size
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-atom tensor of the owned atoms -> all atoms in original order, on every rank."""
+        full = x.new_zeros((self.n_total,) + tuple(x.shape[1:]))
+        full[self.ids] = x.detach()
+        return self.comm.all_reduce(full)
+
+    def to_system(self) -> System:
+        """The whole system, assembled on every rank (for output and checks)."""
+        return System(
+            positions=self.gather(self.positions), numbers=self.gather(self.numbers), cell=self.cell, pbc=self.pbc,
+            masses=self.gather(self.masses), fields={k: self.gather(v) for k, v in self.fields.items()},
+        )
+
+    def global_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.global_sum(x)
+
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self.comm.all_reduce(x, op)
+
+    # ------------------------------------------------------------ the plan
+    def prepare(self, width: float) -> bool:
+        """Rebuild plan (with migration) if needed for ``width``; collective."""
+        moved = max_displacement(self.positions, self._ref) if self._ref is not None and self._ref.shape == self.positions.shape else math.inf
+        flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(self.plan is None or width > self._width)], dtype=torch.float64)
+        flags = self.comm.all_reduce(flags, "max")
+        threshold = 0.5 * self.skin if self.skin > 0 else 0.0
+        if flags[1] > 0 or flags[0] > threshold:
+            self._repartition(hysteresis=True, width=max(width, self._width if self.plan is not None and flags[1] == 0 else width))
+            return True
+        return False
+
+    def _repartition(self, hysteresis: bool, width: float | None = None) -> None:
+        self.partition = self._build_partition()
+        wrapped, image = self.partition.wrap(self.partition.geometry.fractional(self.positions))
+        new_owner = self.partition.rank_of(self.partition.brick_index(wrapped))
+        if hysteresis and self.n_owned:
+            mine = self.partition.brick_index_of_rank(torch.full((self.n_owned,), self.rank, device=wrapped.device))
+            _, outside = self.partition.nearest_image(wrapped, mine)
+            new_owner = torch.where(outside <= 0.5 * self.skin, torch.full_like(new_owner, self.rank), new_owner)
+        self._migrate(new_owner)
+        if width is not None:
+            self._build_plan(width)
+
+    def _build_partition(self) -> Partition:
+        geo_pbc = self.pbc.cpu()
+        lo = hi = None
+        if not bool(geo_pbc.all()):
+            from .partition import Geometry
+
+            frac = Geometry(self.cell, self.pbc).fractional(self.positions)
+            big = torch.full((3,), math.inf, dtype=torch.float64, device=frac.device)
+            lo = -self.comm.all_reduce(-(frac.min(dim=0).values if frac.shape[0] else big), "max")
+            hi = self.comm.all_reduce(frac.max(dim=0).values if frac.shape[0] else -big, "max")
+        return Partition.build(self.grid, self.cell, self.pbc, lo, hi)
+
+    def _build_plan(self, width: float) -> None:
+        part = self.partition
+        wrapped, image = part.wrap(part.geometry.fractional(self.positions))
+        ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int64, device=wrapped.device)
+        home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(ranks))
+        self.owned_shift = home - image
+        images = images_near_bricks(part, wrapped, image, width + skin_margin(self.skin), own_rank=ranks, own_image=home)
+        self.plan = HaloPlan(self.comm, images, self.numbers, self.ids)
+        self.ghost_numbers, self.ghost_ids = self.plan.ghost_numbers, self.plan.ghost_ids
+        self.ghost_shift, self.ghost_distance = self.plan.ghost_shift, self.plan.ghost_distance
+        self._ref = self.positions.detach().clone()
+        self._width = float(width)
+        self.plan_version += 1
+        self.rebuilds += 1
+
+    def _limit(self, width: float) -> float:
+        return float(width) + skin_margin(self.skin) + 1e-12
+
+    def ghost_count(self, width: float) -> int:
+        return self.plan.counts(self._limit(width))[2]
+
+    def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:
+        return HaloGather.apply(x, self.plan, self._limit(width))
+
+    def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
+        return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width))
+
+    # ------------------------------------------------------------ migration
+    def _migrate(self, dest: torch.Tensor) -> None:
+        """Send each owned atom to rank ``dest``; keep atoms sorted by global id."""
+        size = self.comm.size
+        order = torch.argsort(dest, stable=True)
+        counts = torch.bincount(dest, minlength=size)
+        matrix = torch.zeros(size, size, dtype=torch.int64, device=dest.device)
+        matrix[self.rank] = counts
+        matrix = self.comm.all_reduce(matrix)
+        send_counts, recv_counts = matrix[self.rank].tolist(), matrix[:, self.rank].tolist()
+        floats, ints = self._pack()
+        received = []
+        for data, dtype in ((floats[order], floats.dtype), (ints[order], torch.int64)):
+            parts = torch.split(data, send_counts)
+            sends = {d: parts[d] for d in range(size) if send_counts[d]}
+            shapes = {s: (c, data.shape[1]) for s, c in enumerate(recv_counts) if c}
+            got = self.comm.exchange(sends, shapes, dtype, data.device)
+            received.append(torch.cat([got[s] for s in sorted(got)]) if got else data[:0])
+        self._unpack(*received)
+
+    def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = self.n_owned, self.positions.dtype
+        floats = [self.positions.detach(), self.masses[:, None]]
+        ints = [self.numbers[:, None], self.ids[:, None]]
+        for name, (shape, dt) in self.schema.items():
+            value = self.fields[name].detach().reshape(n, math.prod(shape))
+            (floats if dt.is_floating_point else ints).append(value.to(dtype if dt.is_floating_point else torch.int64))
+        return torch.cat(floats, dim=1), torch.cat(ints, dim=1)
+
+    def _unpack(self, floats: torch.Tensor, ints: torch.Tensor) -> None:
+        order = torch.argsort(ints[:, 1])
+        floats, ints = floats[order], ints[order]
+        n = floats.shape[0]
+        self.positions, self.masses = floats[:, :3].contiguous(), floats[:, 3].contiguous()
+        self.numbers, self.ids = ints[:, 0].contiguous(), ints[:, 1].contiguous()
+        fcol, icol = 4, 2
+        self.fields = {}
+        for name, (shape, dt) in self.schema.items():
+            width = math.prod(shape)
+            if dt.is_floating_point:
+                self.fields[name] = floats[:, fcol: fcol + width].reshape((n,) + shape).to(dt)
+                fcol += width
+            else:
+                self.fields[name] = ints[:, icol: icol + width].reshape((n,) + shape).to(dt)
+                icol += width
+
+
+def _local_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _scatter_problem(system, config: DomainConfig, src: int, comm: Comm) -> str | None:
+    """Everything wrong with the scatter's input on this rank, checked before any data moves."""
+    if not 0 <= src < comm.size:
+        return f"ShardedSystem.scatter: src={src} is not a rank (world size {comm.size})"
+    problem = config.problem(comm.size)
+    if problem:
+        return problem
+    if comm.rank == src and system is None:
+        return f"ShardedSystem.scatter: the source rank {src} must pass the System (got None)"
+    if comm.rank != src and system is not None:
+        return f"ShardedSystem.scatter: a System was passed on rank {comm.rank}, but only the source rank {src} may hold it; pass None on the other ranks"
+    if comm.rank == src:
+        if not isinstance(system, System):
+            return f"ShardedSystem.scatter: expected a halopipe.System, got {type(system).__name__}"
+        try:
+            system.validate()
+        except ValueError as exc:
+            return str(exc)
+    return None
