@@ -4,7 +4,8 @@ The public API in one place: systems, models, pipelines, the distributed layer
 and the dynamics built on them.
 """
 
-from .models import ChargeModel, DSFCoulomb, LennardJones, LocalView, Model, ModelOutput
+from .distributed import DistributedError, DistributedModel, DistributedPipeline, DomainConfig, ShardedSystem
+from .models import MACE, PME, DFTD3, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, TorchModel
 from .pipeline import Group, Pipeline, Step
 from .system import System
 
@@ -18,8 +19,18 @@ __all__ = [
     "LennardJones",
     "DSFCoulomb",
     "ChargeModel",
+    "DFTD3",
+    "Ewald",
+    "PME",
+    "MACE",
+    "TorchModel",
     "Pipeline",
     "Group",
     "Step",
+    "DomainConfig",
+    "ShardedSystem",
+    "DistributedPipeline",
+    "DistributedModel",
+    "DistributedError",
     "__version__",
 ]

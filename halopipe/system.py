@@ -64,7 +64,12 @@ class System:
         self.pbc = torch.zeros(3, dtype=torch.bool, device=device) if self.pbc is None else torch.as_tensor(self.pbc, device=device).to(torch.bool).reshape(-1)
         if self.pbc.numel() == 1:
             self.pbc = self.pbc.repeat(3)
-        self.masses = standard_masses(self.numbers).to(dtype) if self.masses is None else _as_float(self.masses, dtype, device, "masses")
+        if self.masses is None:
+            bad = (self.numbers < 1) | (self.numbers > 118)
+            safe = torch.where(bad, torch.ones_like(self.numbers), self.numbers)  # validate() names the bad number
+            self.masses = standard_masses(safe).to(dtype)
+        else:
+            self.masses = _as_float(self.masses, dtype, device, "masses")
         self.fields = {k: torch.as_tensor(v, device=device) for k, v in dict(self.fields).items()}
         self.fields = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.fields.items()}
         self.validate()

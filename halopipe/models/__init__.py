@@ -1,8 +1,26 @@
 """Interatomic models. Each file holds one model family: physics only."""
 
+from .adapter import TorchModel
 from .base import LocalView, Model, ModelOutput, virial_from_forces
 from .charges import ChargeModel
 from .coulomb import DSFCoulomb
+from .dftd3 import DFTD3
+from .ewald import Ewald
 from .lennard_jones import LennardJones
+from .mace import MACE
+from .pme import PME
 
-__all__ = ["LocalView", "Model", "ModelOutput", "virial_from_forces", "LennardJones", "DSFCoulomb", "ChargeModel"]
+__all__ = [
+    "LocalView",
+    "Model",
+    "ModelOutput",
+    "virial_from_forces",
+    "LennardJones",
+    "DSFCoulomb",
+    "ChargeModel",
+    "DFTD3",
+    "Ewald",
+    "PME",
+    "MACE",
+    "TorchModel",
+]

@@ -1,0 +1,206 @@
+"""MACE message-passing potentials on a local view, with a halo of one cutoff.
+
+A MACE model with ``L`` interaction layers and cutoff ``r_max`` makes atom
+``i``'s energy depend on atoms up to ``L * r_max`` away: layer ``t`` mixes the
+features of each atom's neighbours from layer ``t - 1``. The naive way to run
+it on a domain is a ghost shell ``L * r_max`` wide, recomputing every layer on
+every ghost (``halo_mode="wide"``). The ghost count grows as the cube of the
+width, so for ``L = 2..3`` most of the work is wasted on ghosts.
+
+``halo_mode="layer"`` (the default) instead keeps the halo at ``r_max`` and
+*refreshes* the ghost rows between layers: after interaction + product of
+layer ``t`` the new features are exact only on owned rows (their neighbour
+lists are complete), so the ghost rows are overwritten with their owners'
+values by ``view.refresh`` before layer ``t + 1``. Layer 0 needs no refresh:
+the embedding depends on the species alone. Backward sends ghost gradients
+home through the same refresh, so forces and stress remain exact.
+
+Graph convention (mace-torch): ``edge_index[0]`` is the *sender* ``j``,
+``edge_index[1]`` the *receiver* ``i`` and the edge vector is
+``r_receiver - r_sender``; messages are summed into receivers. A view pair
+``(i, j)`` (owned centre ``i``, vector ``r_j - r_i``) is therefore the MACE
+edge ``j -> i`` with vector ``-(r_j - r_i)``.
+
+The model's own modules do all the physics (embedding, spherical harmonics,
+radial basis, interactions, products, readouts, E0s, ZBL pair repulsion and
+the ScaleShiftMACE scale/shift); this file only decides which rows and edges
+they see. Requires the ``[mace]`` extra (``mace-torch``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..neighbors import owned_pairs, pair_vectors
+from .base import LocalView, Model, ModelOutput
+
+__all__ = ["MACE"]
+
+_HALO_MODES = ("layer", "wide")
+# The attributes of mace.modules.MACE that this wrapper drives (block call signatures as of mace-torch 0.3.16).
+_REQUIRED = ("atomic_numbers", "r_max", "node_embedding", "spherical_harmonics", "radial_embedding",
+             "interactions", "products", "readouts", "atomic_energies_fn")
+
+
+def _model_dtype(module: torch.nn.Module) -> torch.dtype:
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.get_default_dtype()
+
+
+def _check_supported(module: torch.nn.Module) -> None:
+    """Reject what cannot be evaluated from positions and species alone."""
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError("MACE: TorchScript (compiled) models are not supported; load the original .model file saved with torch.save")
+    missing = [name for name in _REQUIRED if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"MACE: {type(module).__name__} is not a mace-torch energy model (missing {missing}); "
+                         "pass a mace.modules.MACE or ScaleShiftMACE")
+    if hasattr(module, "joint_embedding"):
+        raise ValueError("MACE: models with a joint embedding of per-structure inputs (embedding_specs, e.g. total charge or spin) are not supported")
+
+
+class MACE(Model):
+    """A mace-torch model (``mace.modules.MACE`` / ``ScaleShiftMACE``) as a halopipe model.
+
+    Parameters
+    ----------
+    module : the loaded mace-torch model. Its parameters keep their dtype: the
+        view's geometry is cast to it and energies are cast back.
+    halo_mode : ``"layer"`` (halo ``r_max``, ghost features refreshed between
+        layers) or ``"wide"`` (halo ``num_interactions * r_max``, every layer
+        computed on every row, no communication between layers; for comparison).
+    head : name of the readout head of a multi-head model (default: the only
+        head, or the one called ``"Default"``).
+
+    Notes
+    -----
+    In wide mode the wrapper builds its own edge list with every row as a
+    centre, since the view only lists pairs centred on owned rows. Features of
+    ghosts near the outer edge of the halo are wrong (their neighbourhoods are
+    cut), but the error travels inwards by one ``r_max`` per layer, so it never
+    reaches owned atoms after ``L`` layers of a halo ``L * r_max`` wide.
+    """
+
+    def __init__(self, module: torch.nn.Module, halo_mode: str = "layer", head: str | None = None) -> None:
+        super().__init__()
+        _check_supported(module)
+        if halo_mode not in _HALO_MODES:
+            raise ValueError(f"MACE: halo_mode must be one of {_HALO_MODES}, got {halo_mode!r}")
+        self.module = module
+        self.halo_mode = halo_mode
+        self.cutoff = float(module.r_max)
+        if not self.cutoff > 0:
+            raise ValueError(f"MACE: the model's r_max must be positive, got {self.cutoff}")
+        self.num_layers = len(module.interactions)
+        self.head_index = self._head_index(module, head)
+        self.species = [int(z) for z in module.atomic_numbers]
+        index = torch.full((119,), -1, dtype=torch.int64)
+        index[module.atomic_numbers.cpu()] = torch.arange(len(self.species))
+        self.register_buffer("species_index", index.to(module.atomic_numbers.device), persistent=False)
+
+    @staticmethod
+    def _head_index(module: torch.nn.Module, head: str | None) -> int:
+        heads = list(getattr(module, "heads", None) or ["Default"])
+        if head is None:
+            if len(heads) == 1:
+                return 0
+            default = [k for k, h in enumerate(heads) if h.lower() == "default"]
+            if not default:
+                raise ValueError(f"MACE: the model has several heads {heads}; choose one with head=...")
+            return default[0]
+        if head not in heads:
+            raise ValueError(f"MACE: unknown head {head!r}; the model has heads {heads}")
+        return heads.index(head)
+
+    @classmethod
+    def from_file(cls, path: str | Path, map_location: str | torch.device | None = "cpu", **kwargs) -> MACE:
+        """Load a model saved by mace-torch (``torch.save`` of the module).
+
+        The file is unpickled (``weights_only=False``): load only files you
+        trust. It is loaded onto ``map_location`` (CPU by default, so that
+        files saved on a GPU load anywhere); move the model with ``.to(device)``.
+        ``kwargs`` go to the constructor (``halo_mode``, ``head``).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"MACE.from_file: no such file {str(path)!r}")
+        module = torch.load(path, map_location=map_location, weights_only=False)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"MACE.from_file: {str(path)!r} holds a {type(module).__name__}, not a model; save the model with torch.save(model, path)")
+        return cls(module, **kwargs)
+
+    @property
+    def halo(self) -> float:
+        return self.cutoff * (self.num_layers if self.halo_mode == "wide" else 1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _model_dtype(self.module)
+
+    # ------------------------------------------------------------------ helpers
+    def node_attrs(self, numbers: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One-hot species encoding in the model's element order."""
+        idx = self.species_index[numbers]
+        if bool((idx < 0).any()):
+            bad = sorted({int(z) for z in numbers[idx < 0].tolist()})
+            raise ValueError(f"MACE: element(s) {bad} are not in the model's atomic_numbers {self.species}; use a model trained on them")
+        return torch.nn.functional.one_hot(idx, len(self.species)).to(dtype)
+
+    def _graph(self, view: LocalView, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """MACE edge_index (sender, receiver) and edge vectors r_receiver - r_sender."""
+        if self.halo_mode == "wide":
+            # Every row is a centre so that ghosts get (partial) features of their own.
+            pairs = owned_pairs(view.positions.detach(), view.n_rows, self.cutoff)
+            vectors, _ = pair_vectors(view.positions, pairs)
+        else:
+            pairs, vectors = view.pairs, view.vectors
+        return torch.stack([pairs[1], pairs[0]]), -vectors.to(dtype)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
+        m, n = self.module, view.n_owned
+        dtype = self.dtype
+        attrs = self.node_attrs(view.numbers, dtype)
+        edge_index, vectors = self._graph(view, dtype)
+        lengths = vectors.norm(dim=-1, keepdim=True)
+
+        edge_attrs = m.spherical_harmonics(vectors)
+        edge_feats, cutoff = m.radial_embedding(lengths, attrs, edge_index, m.atomic_numbers)
+        node_feats = m.node_embedding(attrs)
+
+        per_layer = []
+        for k, (interaction, product) in enumerate(zip(m.interactions, m.products)):
+            node_feats, sc = interaction(node_attrs=attrs, node_feats=node_feats, edge_attrs=edge_attrs, edge_feats=edge_feats,
+                                         edge_index=edge_index, cutoff=cutoff, first_layer=(k == 0))
+            if self.halo_mode == "wide":
+                node_feats = product(node_feats=node_feats, sc=sc, node_attrs=attrs)
+            else:
+                # Only owned receivers have complete neighbourhoods: the product
+                # runs on them and ghosts take their owners' values.
+                owned = product(node_feats=node_feats[:n], sc=None if sc is None else sc[:n], node_attrs=attrs[:n])
+                node_feats = view.refresh(owned) if k + 1 < self.num_layers else owned
+            per_layer.append(node_feats[:n])
+
+        energies = self._energies(n, attrs, per_layer, edge_index, lengths)
+        return ModelOutput(energies=energies.to(view.positions.dtype))
+
+    def _energies(self, n: int, attrs: torch.Tensor, per_layer: list[torch.Tensor], edge_index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """E0 + (pair repulsion + readouts), scaled/shifted as ScaleShiftMACE does, owned rows only."""
+        m = self.module
+        rows = torch.arange(n, device=attrs.device)
+        head = torch.full((n,), self.head_index, dtype=torch.int64, device=attrs.device)
+        e0 = m.atomic_energies_fn(attrs[:n])[rows, head]
+        inter = torch.zeros(n, dtype=e0.dtype, device=e0.device)
+        if hasattr(m, "pair_repulsion"):
+            # ZBL sums edge terms into receivers: exact on owned rows.
+            inter = inter + m.pair_repulsion_fn(lengths, attrs, edge_index, m.atomic_numbers)[:n]
+        for k, readout in enumerate(m.readouts):
+            feats = per_layer[-1 if len(m.readouts) == 1 else k]
+            inter = inter + readout(feats, head)[rows, head]
+        if hasattr(m, "scale_shift"):
+            inter = m.scale_shift(inter, head)
+        return e0.to(inter.dtype) + inter

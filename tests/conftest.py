@@ -1,0 +1,46 @@
+"""Shared fixtures: small float64 systems built with ASE."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from halopipe import System
+
+torch.set_default_dtype(torch.float64)
+
+
+def triclinic_nacl(repeat=(2, 2, 2), seed: int = 0, rattle: float = 0.15, charges: bool = True) -> System:
+    """A rattled rock-salt NaCl box in a triclinic cell, with formal charges."""
+    from ase.build import bulk
+
+    atoms = bulk("NaCl", "rocksalt", a=5.64).repeat(repeat)
+    atoms.rattle(rattle, seed=seed)
+    atoms.set_cell(atoms.cell.array + np.array([[0, 0.3, 0.2], [0.5, 0, 0], [0.1, 0.7, 0]]), scale_atoms=True)
+    if charges:
+        atoms.set_initial_charges(np.where(atoms.numbers == 11, 1.0, -1.0))
+    return System.from_ase(atoms)
+
+
+def cluster(n: int = 30, seed: int = 0, species=(11, 17), box: float = 9.0, charges: bool = True) -> System:
+    """A random non-periodic cloud with a minimum separation of ~1.8 Å."""
+    rng = np.random.default_rng(seed)
+    pts = []
+    while len(pts) < n:
+        p = rng.uniform(0, box, 3)
+        if all(np.linalg.norm(p - q) > 1.8 for q in pts):
+            pts.append(p)
+    numbers = np.array([species[i % len(species)] for i in range(n)])
+    fields = {"charges": torch.tensor(np.where(numbers == species[0], 1.0, -1.0))} if charges else {}
+    return System(positions=torch.tensor(np.array(pts)), numbers=torch.tensor(numbers), fields=fields)
+
+
+@pytest.fixture
+def nacl() -> System:
+    return triclinic_nacl()
+
+
+@pytest.fixture
+def molecule_cloud() -> System:
+    return cluster()

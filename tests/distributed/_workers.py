@@ -1,0 +1,201 @@
+"""Functions run on spawned ranks by the distributed tests (importable by child processes)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from halopipe import ChargeModel, DSFCoulomb, Group, LennardJones, Model, ModelOutput, Pipeline, Step, System
+from halopipe.distributed import DistributedError, DistributedPipeline, DomainConfig, ShardedSystem
+
+LJ = dict(epsilon={11: 0.0115, 17: 0.0043}, sigma={11: 2.6, 17: 3.6})
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def make_system(kind: str, seed: int = 0) -> System:
+    """Deterministic test systems (built identically on every rank)."""
+    from ase.build import bulk
+
+    rng = np.random.default_rng(seed)
+    if kind in ("triclinic", "mixed"):
+        atoms = bulk("NaCl", "rocksalt", a=5.64).repeat((4, 4, 4))  # 128 atoms, primitive (triclinic) cell
+        atoms.positions += rng.normal(scale=0.2, size=atoms.positions.shape)
+        atoms.set_cell(atoms.cell.array + np.array([[0, 0.4, 0.2], [0.6, 0, 0.1], [0.1, 0.7, 0]]), scale_atoms=True)
+        if kind == "mixed":
+            atoms.pbc = (True, False, True)
+    elif kind == "small_box":  # cell heights well below the longest cutoff
+        atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((2, 1, 1))
+        atoms.positions += rng.normal(scale=0.2, size=atoms.positions.shape)
+    else:
+        raise ValueError(kind)
+    atoms.set_initial_charges(np.where(atoms.numbers == 11, 1.0, -1.0))
+    return System.from_ase(atoms)
+
+
+def make_pipeline(kind: str = "all", skin: float = 0.0) -> Pipeline:
+    if kind == "all":  # a direct group, an autograd group, and a wired autograd group
+        return Pipeline(
+            [
+                Group([Step(LennardJones(**LJ, cutoff=4.5))], autograd=False),
+                Group([Step(LennardJones(0.002, 3.0, cutoff=6.5), name="LJ_autograd")], autograd=True),
+                Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(DSFCoulomb(9.0, 0.2))], autograd=True),
+            ],
+            skin=skin,
+        )
+    if kind == "halo_economy":
+        return Pipeline([Group([Step(LennardJones(**LJ, cutoff=3.0))], autograd=False), Group([Step(DSFCoulomb(9.0, 0.2))])], skin=skin)
+    raise ValueError(kind)
+
+
+def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_model", pipeline_kind: str = "all") -> dict | None:
+    """Evaluate distributed and (on rank 0) single-process; return differences on rank 0."""
+    system = make_system(system_kind)
+    pipeline = make_pipeline(pipeline_kind, skin)
+    stress = bool(system.pbc.all())
+    config = DomainConfig(grid=grid, skin=skin, halo=halo, timeout=60)
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+    with DistributedPipeline(pipeline, config) as dp:
+        out = dp(sharded, stress=stress)
+    forces = sharded.gather(out["forces"])
+    charges = sharded.gather(out["charges"])
+    ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
+    if rank() != 0:
+        return None
+    ref = pipeline(system, stress=stress)
+    result = {
+        "grid": sharded.grid,
+        "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
+        "energies_rel": max(abs(float(out["energies"][k] - ref["energies"][k])) / max(abs(float(ref["energies"][k])), 1e-300) for k in ref["energies"]),
+        "force": float((forces - ref["forces"]).abs().max()),
+        "charges": float((charges - ref["charges"]).abs().max()),
+        "owned_once": bool((ids == 1).all()),
+        "halo": out["halo"],
+    }
+    if stress:
+        result["stress_rel"] = float((out["stress"] - ref["stress"]).abs().max() / ref["stress"].abs().max())
+    return result
+
+
+def run_cases(cases: list[dict]) -> list:
+    return [compare_case(**case) for case in cases]
+
+
+def _walk_step(g: torch.Generator, n: int) -> torch.Tensor:
+    """A collective drift (so atoms cross bricks) plus small independent noise (so nothing overlaps)."""
+    drift = 0.15 * torch.randn(1, 3, generator=g, dtype=torch.float64)
+    return drift + 0.015 * torch.randn(n, 3, generator=g, dtype=torch.float64)
+
+
+def migration_walk(steps: int, grid, skin: float) -> dict | None:
+    """Random displacements keyed by atom id; plans rebuilt and atoms migrated; compare at the end."""
+    system = make_system("triclinic", seed=3)
+    pipeline = make_pipeline("all", skin=skin)
+    config = DomainConfig(grid=grid, skin=skin, timeout=60)
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+    width = pipeline.halo
+    owners_changed = 0
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        kick = _walk_step(g, system.n_atoms)
+        before = sharded.ids.clone()
+        sharded.positions = sharded.positions + kick[sharded.ids]
+        sharded.prepare(width)
+        owners_changed += int(before.numel() != sharded.ids.numel() or not torch.equal(before, sharded.ids))
+    with DistributedPipeline(pipeline, config) as dp:
+        out = dp(sharded, stress=True)
+    ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
+    forces = sharded.gather(out["forces"])
+    final = sharded.to_system()
+    changed = sharded.all_reduce(torch.tensor([owners_changed]))
+    if rank() != 0:
+        return None
+    # Independent replay of the same walk on one process.
+    pos = system.positions.clone()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1000 + step)
+        pos = pos + _walk_step(g, system.n_atoms)
+    ref = pipeline(system.replace(positions=pos), stress=True)
+    return {
+        "ids_once": bool((ids == 1).all()),
+        "positions": float((final.positions - pos).abs().max()),
+        "force": float((forces - ref["forces"]).abs().max()),
+        "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
+        "rebuilds": sharded.rebuilds,
+        "owner_changes": int(changed),
+    }
+
+
+def comm_volume(grid) -> dict:
+    """Bytes one refresh sends vs the ghost rows this rank serves to others."""
+    system = make_system("triclinic")
+    pipeline = make_pipeline("halo_economy")
+    out = {}
+    for halo in ("per_model", "max"):
+        config = DomainConfig(grid=grid, halo=halo, timeout=60)
+        sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+        with DistributedPipeline(pipeline, config) as dp:
+            res = dp(sharded)
+        out[halo] = res["halo"]
+        comm = sharded.comm
+        x = torch.randn(sharded.n_owned, dtype=torch.float64)
+        before = comm.bytes_sent
+        sharded.ghost_rows(x, pipeline.halo)
+        sent = comm.bytes_sent - before
+        served = sum(c for d, c in enumerate(sharded.plan.send_counts) if d != comm.rank)
+        out[halo + "_ratio"] = sent / max(served * 8, 1)
+        out[halo + "_served"] = served
+        before = comm.bytes_sent
+        sharded.ghost_rows(x, 3.0)  # the short-range model's own refresh width
+        out[halo + "_short_bytes"] = comm.bytes_sent - before
+        out[halo + "_wide_bytes"] = sent
+        out["n_total"] = system.n_atoms
+    return out
+
+
+class FailOnRank(Model):
+    """Raises on one rank only, in the middle of an evaluation (after others started communicating)."""
+
+    cutoff = 3.0
+
+    def __init__(self, bad_rank: int):
+        super().__init__()
+        self.bad_rank = bad_rank
+
+    def forward(self, view, direct=False):
+        if rank() == self.bad_rank:
+            raise ValueError("model exploded on purpose")
+        q = view.refresh(view.positions[: view.n_owned, 0])
+        return ModelOutput(energies=q[: view.n_owned] * 0.0 + view.global_sum(q.sum()) * 0.0)
+
+
+def failure(kind: str) -> str:
+    """Run a failing scenario; return the error message this rank ended with (and the time it took)."""
+    system = make_system("triclinic")
+    t0 = time.monotonic()
+    try:
+        if kind == "exception":
+            config = DomainConfig(timeout=5)
+            sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+            DistributedPipeline(Pipeline([Group([Step(LennardJones(**LJ, cutoff=4.0))]), FailOnRank(1)]), config)(sharded)
+        elif kind == "nan":
+            config = DomainConfig(timeout=5)
+            sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+            if rank() == 1:
+                sharded.positions = sharded.positions.clone()
+                sharded.positions[0, 1] = float("nan")
+            DistributedPipeline(LennardJones(**LJ, cutoff=4.0), config)(sharded)
+        elif kind == "grid":
+            ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(grid=(3, 1, 1), timeout=5))
+        elif kind == "wrong_rank":
+            ShardedSystem.scatter(system, DomainConfig(timeout=5))
+        else:
+            raise AssertionError(kind)
+    except (DistributedError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc} [after {time.monotonic() - t0:.1f} s]"
+    return "no error"

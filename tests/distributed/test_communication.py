@@ -1,0 +1,44 @@
+import pytest
+
+from halopipe.distributed.launch import spawn
+
+from ._workers import comm_volume, failure
+
+
+@pytest.mark.timeout(200)
+def test_refresh_sends_only_the_rows_it_serves_and_per_model_halos_are_smaller():
+    results = spawn(comm_volume, 4, (2, 2, 1), timeout=180)
+    for r in results:
+        for halo in ("per_model", "max"):
+            assert r[halo + "_ratio"] <= 1.5
+            assert r[halo + "_ratio"] >= 1.0
+            # A refresh at a narrower width moves only the rows within that width.
+            assert 0 < r[halo + "_short_bytes"] < r[halo + "_wide_bytes"]
+        assert r["per_model"]["LennardJones"] < r["max"]["LennardJones"]
+        assert r["per_model"]["DSFCoulomb"] == r["max"]["DSFCoulomb"]
+
+
+@pytest.mark.timeout(120)
+def test_exception_on_one_rank_ends_every_rank_with_its_cause():
+    messages = spawn(failure, 3, "exception", timeout=100)
+    for m in messages:
+        assert "rank 1" in m and "model exploded on purpose" in m, m
+        seconds = float(m.rsplit("after ", 1)[1].split(" s]")[0])
+        assert seconds < 30, m
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("nan", ["rank 1", "non-finite position"]),
+        ("grid", ["grid (3, 1, 1)", "world size is 2"]),
+        ("wrong_rank", ["rank 1", "only the source rank 0"]),
+    ],
+)
+def test_bad_input_is_rejected_on_every_rank(kind, expected):
+    messages = spawn(failure, 2, kind, timeout=100)
+    for m in messages:
+        assert all(e in m for e in expected), m
+        seconds = float(m.rsplit("after ", 1)[1].split(" s]")[0])
+        assert seconds < 5, m  # rejected before any data moved, not by a timeout

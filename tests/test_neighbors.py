@@ -1,0 +1,73 @@
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from halopipe.neighbors import VerletList, neighbor_list, owned_pairs
+
+
+def brute_force(pos, cell, pbc, cutoff, reach=4):
+    """Every (i, j, shift) with 0 < |r_j + S cell - r_i| <= cutoff, by enumeration."""
+    ranges = [range(-reach, reach + 1) if p else range(1) for p in pbc]
+    out = set()
+    for s in itertools.product(*ranges):
+        d = pos[None, :, :] + np.array(s) @ cell - pos[:, None, :]
+        r = np.linalg.norm(d, axis=2)
+        for i, j in zip(*np.nonzero((r <= cutoff) & (r > 0))):
+            out.add((int(i), int(j), s))
+    return out
+
+
+CELLS = {
+    "triclinic": np.array([[6.0, 0, 0], [1.5, 5.5, 0], [0.7, 1.1, 5.2]]),
+    "cubic": np.eye(3) * 7.0,
+}
+
+
+@pytest.mark.parametrize("cell_name", list(CELLS))
+@pytest.mark.parametrize("cutoff", [2.5, 4.0, 9.0])  # below half box, above half box, above the box
+@pytest.mark.parametrize("pbc", [(True, True, True), (True, False, True)])
+def test_periodic_list_matches_brute_force(cell_name, cutoff, pbc):
+    cell = CELLS[cell_name]
+    rng = np.random.default_rng(1)
+    pos = rng.uniform(0, 1, (12, 3)) @ cell
+    i, j, s = neighbor_list(torch.tensor(pos), torch.tensor(cell), torch.tensor(pbc), cutoff)
+    got = {(int(a), int(b), tuple(int(x) for x in c)) for a, b, c in zip(i, j, s)}
+    assert got == brute_force(pos, cell, pbc, cutoff)
+
+
+def test_owned_pairs_on_explicit_rows():
+    rng = np.random.default_rng(2)
+    rows = torch.tensor(rng.uniform(0, 8, (40, 3)))
+    pairs = owned_pairs(rows, 15, 3.0)
+    r = torch.cdist(rows, rows)
+    r.fill_diagonal_(float("inf"))  # cdist can leave rounding noise on the diagonal
+    want = {(int(a), int(b)) for a, b in zip(*torch.nonzero(r <= 3.0, as_tuple=True)) if a < 15}
+    assert {(int(a), int(b)) for a, b in pairs.T} == want
+
+
+def test_verlet_list_reuses_within_half_skin_and_stays_exact():
+    cell = torch.tensor(CELLS["triclinic"])
+    pbc = torch.tensor([True, True, True])
+    rng = np.random.default_rng(3)
+    pos = torch.tensor(rng.uniform(0, 1, (30, 3))) @ cell
+    vl = VerletList(cutoff=3.0, skin=1.0)
+    vl(pos, cell, pbc)
+    for step in range(6):
+        pos = pos + torch.tensor(rng.normal(scale=0.05, size=(30, 3)))
+        i, j, s = vl(pos, cell, pbc)
+        got = {(int(a), int(b), tuple(int(x) for x in c)) for a, b, c in zip(i, j, s)}
+        assert got == brute_force(pos.numpy(), cell.numpy(), (True, True, True), 3.0)
+    assert vl.builds < 7  # at least one step reused the list
+    big = pos + 0.6
+    big[0] += 0.0
+    assert not vl.needs_rebuild(pos, cell)
+    moved = pos.clone()
+    moved[0, 0] += 0.6
+    assert vl.needs_rebuild(moved, cell)
+
+
+def test_bad_cutoff():
+    with pytest.raises(ValueError, match="cutoff must be positive"):
+        neighbor_list(torch.zeros(2, 3), torch.eye(3), torch.tensor([True] * 3), 0.0)

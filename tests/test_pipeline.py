@@ -1,0 +1,146 @@
+import numpy as np
+import pytest
+import torch
+
+from halopipe import ChargeModel, DSFCoulomb, Group, LennardJones, Model, ModelOutput, Pipeline, Step
+from halopipe.testing import finite_difference_forces, finite_difference_stress
+
+from .conftest import cluster
+
+LJ = dict(epsilon={11: 0.0115, 17: 0.0043}, sigma={11: 2.6, 17: 3.6}, cutoff=6.0)
+
+
+def wired(stress_system):
+    return Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))], autograd=True)])
+
+
+class DetachedCharges(Model):
+    """A ChargeModel whose charges carry no graph: drops the chain term dE/dq * dq/dr."""
+
+    outputs = frozenset({"charges"})
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.cutoff = inner, inner.cutoff
+
+    def forward(self, view, direct=False):
+        out = self.inner(view)
+        return ModelOutput(energies=out.energies, fields={"charges": out.fields["charges"].detach()})
+
+
+def test_wired_group_forces_and_stress_include_chain_term(nacl):
+    pipe = Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(DSFCoulomb(7.0, 0.2))], autograd=True)])
+    out = pipe(nacl, stress=True)
+    atoms = [0, 5, 11]
+    fd = finite_difference_forces(pipe, nacl, atoms)
+    np.testing.assert_allclose(out["forces"][atoms].numpy(), fd.numpy(), atol=1e-7)
+    np.testing.assert_allclose(out["stress"].numpy(), finite_difference_stress(pipe, nacl).numpy(), atol=1e-8)
+    # Without the chain term the same comparison fails clearly.
+    broken = Pipeline([Group([Step(DetachedCharges(ChargeModel(3.5, coordination_weight=0.05))), Step(DSFCoulomb(7.0, 0.2))])])
+    bad = broken(nacl, stress=True)
+    assert float(bad["energy"]) == pytest.approx(float(out["energy"]), rel=1e-14)
+    assert float((bad["forces"][atoms] - fd).abs().max()) > 1e-3
+    assert float((bad["stress"] - out["stress"]).abs().max()) > 1e-5
+
+
+def test_wired_non_periodic(molecule_cloud):
+    pipe = Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(DSFCoulomb(7.0, 0.2))])])
+    out = pipe(molecule_cloud)
+    fd = finite_difference_forces(pipe, molecule_cloud, [0, 7])
+    np.testing.assert_allclose(out["forces"][[0, 7]].numpy(), fd.numpy(), atol=1e-7)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_composition_equals_sum_of_parts(nacl, direct):
+    lj, dsf = LennardJones(**LJ), DSFCoulomb(7.0, 0.2)
+    together = Pipeline([Group([Step(lj)], autograd=not direct), Group([Step(dsf)])])(nacl, stress=True)
+    parts = [Pipeline([m])(nacl, stress=True) for m in (lj, dsf)]
+    assert float(together["energy"]) == pytest.approx(sum(float(p["energy"]) for p in parts), rel=1e-14)
+    np.testing.assert_allclose(together["forces"].numpy(), sum(p["forces"] for p in parts).numpy(), atol=1e-13)
+    np.testing.assert_allclose(together["stress"].numpy(), sum(p["stress"] for p in parts).numpy(), atol=1e-15)
+    assert set(together["energies"]) == {"LennardJones", "DSFCoulomb"}
+
+
+def test_direct_group_sums_models_and_equals_autograd(nacl):
+    a, b = LennardJones(**LJ), LennardJones(0.001, 3.0, 5.0)
+    direct = Pipeline([Group([a, b], autograd=False)])(nacl, stress=True)
+    auto = Pipeline([Group([a, b], autograd=True)])(nacl, stress=True)
+    np.testing.assert_allclose(direct["forces"].numpy(), auto["forces"].numpy(), atol=1e-13)
+    np.testing.assert_allclose(direct["stress"].numpy(), auto["stress"].numpy(), atol=1e-15)
+    assert list(direct["energies"]) == ["LennardJones", "LennardJones_2"]
+
+
+def test_wire_renames_and_bind_selects(nacl):
+    pipe = Pipeline([Group([Step(ChargeModel(3.5), wire={"charges": "q_model"}), Step(DSFCoulomb(7.0, 0.2), bind={"charges": "q_model"})])])
+    out = pipe(nacl)
+    plain = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])])(nacl)
+    assert float(out["energy"]) == float(plain["energy"])
+    assert "q_model" in out
+    # Without bind, DSFCoulomb reads the system's formal charges instead.
+    formal = Pipeline([Group([Step(ChargeModel(3.5), wire={"charges": "q_model"}), Step(DSFCoulomb(7.0, 0.2))])])(nacl)
+    assert float(formal["energy"]) == pytest.approx(float(Pipeline([DSFCoulomb(7.0, 0.2)])(nacl)["energy"]), rel=1e-14)
+
+
+def test_wired_field_into_direct_group_is_rejected():
+    with pytest.raises(ValueError, match="consumed by .* in a direct group"):
+        Pipeline([Group([Step(ChargeModel())]), Group([Step(_DirectCharged())], autograd=False)])
+
+
+def test_field_crossing_groups_is_rejected():
+    with pytest.raises(ValueError, match="chain term .* would be lost"):
+        Pipeline([Group([Step(ChargeModel())]), Group([Step(DSFCoulomb())])])
+
+
+def test_model_without_direct_forces_cannot_be_in_direct_group():
+    with pytest.raises(ValueError, match="does not offer direct forces"):
+        Group([DSFCoulomb()], autograd=False)
+
+
+def test_missing_input_field_is_named():
+    s = cluster(10, charges=False)
+    with pytest.raises(ValueError, match=r"lacks field\(s\) \['charges'\]"):
+        Pipeline([DSFCoulomb()])(s)
+
+
+def test_stress_needs_a_volume():
+    with pytest.raises(ValueError, match="zero volume"):
+        Pipeline([LennardJones(0.01, 3.0, 5.0)])(cluster(10, charges=False), stress=True)
+
+
+def test_skin_reuses_plan_and_stays_exact(nacl):
+    skinned = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])], skin=1.0)
+    fresh = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])])
+    g = torch.Generator().manual_seed(0)
+    s = nacl
+    for _ in range(5):
+        s = s.replace(positions=s.positions + 0.04 * torch.randn(s.positions.shape, generator=g, dtype=torch.float64))
+        a, b = skinned(s, stress=True), fresh(s, stress=True)
+        assert float(a["energy"]) == pytest.approx(float(b["energy"]), rel=1e-13)
+        np.testing.assert_allclose(a["forces"].numpy(), b["forces"].numpy(), atol=1e-12)
+    assert skinned._domain.plan_version < fresh._domain.plan_version
+
+
+def test_ase_calculator_matches_ase_lj():
+    from ase.build import bulk
+    from ase.calculators.lj import LennardJones as AseLJ
+
+    from halopipe.ase import Calculator
+
+    atoms = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(2)
+    atoms.rattle(0.05, seed=3)
+    ref = atoms.copy()
+    ref.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=7.0)
+    atoms.calc = Calculator(LennardJones(0.0103, 3.4, 7.0))
+    assert atoms.get_potential_energy() == pytest.approx(ref.get_potential_energy(), rel=1e-12)
+    assert atoms.get_potential_energy() == atoms.get_total_energy() - atoms.get_kinetic_energy()
+    np.testing.assert_allclose(atoms.get_forces(), ref.get_forces(), atol=1e-12)
+    np.testing.assert_allclose(atoms.get_stress(), ref.get_stress(), atol=1e-13)
+
+
+class _DirectCharged(Model):
+    inputs = frozenset({"charges"})
+    direct_forces = True
+    cutoff = 3.0
+
+    def forward(self, view, direct=False):  # pragma: no cover - construction fails first
+        raise AssertionError
