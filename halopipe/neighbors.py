@@ -1,10 +1,11 @@
 """Neighbour lists on top of vesin.
 
 Two searches are offered. :func:`neighbor_list` is the classic periodic list
-(pairs ``i, j`` and integer cell shifts ``S`` with ``r_ij = r_j + S @ cell - r_i``).
-:func:`owned_pairs` works on a local view, where periodic images are already
-explicit ghost rows: it returns every pair within the cutoff whose centre is an
-owned row. Only indices come from vesin; vectors and distances are recomputed
+through vesin (pairs ``i, j`` and integer cell shifts ``S`` with
+``r_ij = r_j + S @ cell - r_i``). :func:`owned_pairs` works on a local view,
+where periodic images are already explicit ghost rows: it returns every pair
+within the cutoff whose centre is an owned row. Only indices come from the
+searches; vectors and distances are recomputed
 in torch (:func:`pair_vectors`) so autograd flows through them.
 
 A :class:`VerletList` keeps a list built at ``cutoff + skin`` and reuses it
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from vesin import NeighborList as _VesinNeighborList
 
-__all__ = ["neighbor_list", "owned_pairs", "pair_vectors", "VerletList", "max_displacement"]
+__all__ = ["neighbor_list", "owned_pairs", "owned_pairs_cell_list", "pair_vectors", "VerletList", "max_displacement"]
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
@@ -51,21 +52,78 @@ def owned_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor
     """Directed pairs ``(i, j)`` within ``cutoff`` of rows, with ``i < n_owned``.
 
     ``rows`` are explicit coordinates (owned rows first, then ghost images), so
-    the search is non-periodic. A half list is searched once; each unordered
-    pair yields a directed pair for every owned end.
+    the search is non-periodic. vesin searches all rows, so it also pays for
+    ghost-ghost pairs; that is cheap while ghosts are few, but dominates when
+    the halo is wide (D3 needs 20-50 Å). Beyond ``rows / owned > 8``, where
+    the owned-centred cell list (:func:`owned_pairs_cell_list`, cost
+    proportional to owned atoms only) becomes the cheaper of the two, it is
+    used instead.
     """
-    if rows.shape[0] < 2:
+    if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
+    if rows.shape[0] > 8 * n_owned:
+        return owned_pairs_cell_list(rows, n_owned, cutoff)
     nl = _VesinNeighborList(cutoff=float(cutoff), full_list=False)
     a, b = nl.compute(points=_np(rows), box=np.zeros((3, 3)), periodic=False, quantities="ij", copy=True)
     a = torch.as_tensor(a.astype(np.int64), device=rows.device)
     b = torch.as_tensor(b.astype(np.int64), device=rows.device)
-    fwd = a < n_owned
-    bwd = b < n_owned
+    fwd, bwd = a < n_owned, b < n_owned
     i = torch.cat([a[fwd], b[bwd]])
     j = torch.cat([b[fwd], a[bwd]])
     order = torch.argsort(i * rows.shape[0] + j)  # deterministic order, grouped by centre
     return torch.stack([i[order], j[order]])
+
+
+def owned_pairs_cell_list(rows: torch.Tensor, n_owned: int, cutoff: float, max_candidates: int = 1 << 24) -> torch.Tensor:
+    """Owned-centred pair search with a torch cell list (any device).
+
+    Every row is binned into cubes of edge ``cutoff``; each owned row scans its
+    27 neighbouring cubes, so the cost is proportional to the owned atoms and
+    their neighbourhoods, never to ghost-ghost pairs. Owned centres are
+    processed in chunks of at most ``max_candidates`` candidate pairs to bound
+    memory.
+    """
+    device = rows.device
+    n_rows = rows.shape[0]
+    empty = torch.zeros(2, 0, dtype=torch.int64, device=device)
+    if n_rows < 2 or n_owned == 0:
+        return empty
+    pos = rows.detach().to(torch.float64)
+    lo = pos.min(dim=0).values
+    edge = float(cutoff)
+    cell3 = torch.floor((pos - lo) / edge).to(torch.int64)
+    dims = cell3.max(dim=0).values + 1
+    strides = torch.stack([dims[1] * dims[2], dims[2], torch.ones_like(dims[2])])
+    cell_id = cell3 @ strides
+    order = torch.argsort(cell_id, stable=True)
+    counts = torch.bincount(cell_id, minlength=int(dims.prod()))
+    starts = torch.cumsum(counts, 0) - counts
+    offsets = torch.stack(torch.meshgrid(*[torch.arange(-1, 2, device=device)] * 3, indexing="ij"), dim=-1).reshape(27, 3)
+    per_atom = int(counts.max()) * 27
+    chunk = max(1, max_candidates // max(per_atom, 1))
+    pieces = []
+    for first in range(0, n_owned, chunk):  # loop over chunks of atoms, not atoms
+        centres = torch.arange(first, min(first + chunk, n_owned), device=device)
+        neighbour = cell3[centres, None, :] + offsets[None, :, :]
+        inside = ((neighbour >= 0) & (neighbour < dims)).all(dim=2)
+        nid = (neighbour.clamp(min=0) @ strides).clamp(max=counts.numel() - 1)
+        cnt = torch.where(inside, counts[nid], torch.zeros_like(nid)).reshape(-1)
+        beg = starts[nid].reshape(-1)
+        total = int(cnt.sum())
+        if total == 0:
+            continue
+        slot = torch.repeat_interleave(torch.arange(cnt.numel(), device=device), cnt)
+        within = torch.arange(total, device=device) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+        i = centres[slot // 27]
+        j = order[beg[slot] + within]
+        d = (pos[j] - pos[i]).norm(dim=1)
+        keep = (d <= cutoff) & (i != j)
+        pieces.append(torch.stack([i[keep], j[keep]]))
+    if not pieces:
+        return empty
+    pairs = torch.cat(pieces, dim=1)
+    key = pairs[0] * n_rows + pairs[1]
+    return pairs[:, torch.argsort(key)]  # deterministic order, grouped by centre
 
 
 def pair_vectors(positions: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from halopipe.neighbors import VerletList, neighbor_list, owned_pairs
+from halopipe.neighbors import VerletList, neighbor_list, owned_pairs, owned_pairs_cell_list
 
 
 def brute_force(pos, cell, pbc, cutoff, reach=4):
@@ -37,13 +37,14 @@ def test_periodic_list_matches_brute_force(cell_name, cutoff, pbc):
     assert got == brute_force(pos, cell, pbc, cutoff)
 
 
-def test_owned_pairs_on_explicit_rows():
+@pytest.mark.parametrize("n_owned", [15, 4])  # vesin path, and the owned-centred cell list (rows > 8 x owned)
+def test_owned_pairs_on_explicit_rows(n_owned):
     rng = np.random.default_rng(2)
     rows = torch.tensor(rng.uniform(0, 8, (40, 3)))
-    pairs = owned_pairs(rows, 15, 3.0)
+    pairs = owned_pairs(rows, n_owned, 3.0)
     r = torch.cdist(rows, rows)
     r.fill_diagonal_(float("inf"))  # cdist can leave rounding noise on the diagonal
-    want = {(int(a), int(b)) for a, b in zip(*torch.nonzero(r <= 3.0, as_tuple=True)) if a < 15}
+    want = {(int(a), int(b)) for a, b in zip(*torch.nonzero(r <= 3.0, as_tuple=True)) if a < n_owned}
     assert {(int(a), int(b)) for a, b in pairs.T} == want
 
 
@@ -71,3 +72,11 @@ def test_verlet_list_reuses_within_half_skin_and_stays_exact():
 def test_bad_cutoff():
     with pytest.raises(ValueError, match="cutoff must be positive"):
         neighbor_list(torch.zeros(2, 3), torch.eye(3), torch.tensor([True] * 3), 0.0)
+
+
+def test_cell_list_equals_vesin_search():
+    rng = np.random.default_rng(5)
+    rows = torch.tensor(rng.uniform(-3, 11, (300, 3)))
+    a = owned_pairs_cell_list(rows, 100, 2.7, max_candidates=500)  # small chunks exercise the chunking
+    b = owned_pairs(rows, 100, 2.7)
+    assert torch.equal(a, b)
