@@ -19,12 +19,12 @@ all ranks yields exact forces and stress for any composition of models.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-__all__ = ["LocalView", "ModelOutput", "Model", "virial_from_forces"]
+__all__ = ["LocalView", "ModelOutput", "Model", "virial_from_forces", "direct_by_local_autograd"]
 
 
 @dataclass
@@ -121,3 +121,24 @@ class Model(torch.nn.Module):
 def virial_from_forces(positions: torch.Tensor, forces: torch.Tensor) -> torch.Tensor:
     """Virial ``W = sum_i r_i (x) f_i`` (= ``-dE/d(strain)`` for a translation-invariant energy)."""
     return positions.transpose(0, 1) @ forces
+
+
+def direct_by_local_autograd(energy_fn: Callable[[LocalView], torch.Tensor], view: LocalView) -> ModelOutput:
+    """Direct forces and virial of an energy that depends on row positions only.
+
+    Differentiates ``energy_fn(view)`` with respect to the view's rows inside
+    the model, so the model can sit in a direct group. Collectives used by the
+    energy (``refresh``, ``global_sum``) are differentiated collectively: every
+    rank runs this at the same step, so their backward passes meet. Valid when
+    the energy depends on the cell only through the rows (pair and many-body
+    terms; not Ewald's reciprocal sum): then the virial is ``sum_rows r (x) f``.
+    """
+    with torch.enable_grad():
+        rows = view.positions.detach().requires_grad_(True)
+        vectors = rows[view.pairs[1]] - rows[view.pairs[0]]
+        local = replace(view, positions=rows, vectors=vectors, distances=vectors.norm(dim=1))
+        energies = energy_fn(local)
+        total = energies.sum() + 0.0 * rows.sum()  # keeps a graph on a rank without atoms
+        (grad,) = torch.autograd.grad(total, rows)
+    forces = -grad
+    return ModelOutput(energies=energies.detach(), forces=forces, virial=virial_from_forces(rows.detach(), forces))

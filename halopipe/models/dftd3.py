@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from ase import units
 
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, direct_by_local_autograd
 
 __all__ = ["DEFAULT_ATM_CUTOFF", "DEFAULT_CN_CUTOFF", "DEFAULT_CUTOFF", "DFTD3", "known_functionals"]
 
@@ -202,7 +202,7 @@ class DFTD3(Model):
     Forces and stress come from autograd.
     """
 
-    direct_forces = False
+    direct_forces = True  # through direct_by_local_autograd: D3 depends on the cell only via positions
 
     def __init__(
         self,
@@ -304,6 +304,11 @@ class DFTD3(Model):
             raise ValueError(f"DFTD3: no D3 reference data for atomic number {z}; the tables cover Z = 1..{MAX_Z} (H..Lr)")
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
+        if direct:
+            return direct_by_local_autograd(self._energies, view)
+        return ModelOutput(energies=self._energies(view))
+
+    def _energies(self, view: LocalView) -> torch.Tensor:
         self._check_numbers(view.numbers)
         dtype = view.positions.dtype
         cn = coordination_numbers(view, self.rcov.to(dtype), self.cn_cutoff)
@@ -312,4 +317,4 @@ class DFTD3(Model):
         energies = self._two_body(view, c6_of, energies)
         if self.s9 != 0.0:
             energies = self._three_body(view, c6_of, energies)
-        return ModelOutput(energies=energies)
+        return energies
