@@ -189,9 +189,10 @@ def test_whole_reference_table(damping: str) -> None:
 @pytest.mark.parametrize("damping", ["bj", "zero"])
 def test_functionals(functional: str, damping: str) -> None:
     if functional not in known_functionals(damping):
+        # r2SCAN has no published zero-damping parameters: the error is the check.
         with pytest.raises(ValueError, match="no published"):
             DFTD3(functional, damping)
-        pytest.skip(f"{functional} has no published {damping} parameters")
+        return
     compare(MOLECULES["iodomethane"](), functional, damping, 0.0)
 
 
