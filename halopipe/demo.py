@@ -28,7 +28,7 @@ def cells_for_atoms(n_atoms: int) -> int:
 
 
 def demo_system(cells: int = 8, seed: int = 0, dtype: torch.dtype = torch.float64, rattle: float = 0.25) -> System:
-    """A rattled rock-salt NaCl box of ``8 * cells**3`` atoms in a slightly triclinic cell."""
+    """A rattled rock-salt NaCl box of ``8 * cells**3`` atoms in a slightly triclinic cell, with formal charges."""
     from ase.build import bulk
 
     atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((cells, cells, cells))
@@ -37,6 +37,7 @@ def demo_system(cells: int = 8, seed: int = 0, dtype: torch.dtype = torch.float6
     shear = np.eye(3) + np.array([[0.0, 0.02, 0.01], [0.0, 0.0, 0.015], [0.0, 0.0, 0.0]])
     atoms.set_cell(atoms.cell.array @ shear, scale_atoms=True)
     atoms.wrap()
+    atoms.set_initial_charges(np.where(atoms.numbers == NA, 1.0, -1.0))  # formal charges, for static-charge models
     return System.from_ase(atoms, dtype=dtype)
 
 
