@@ -64,17 +64,24 @@ def measure(system_fn, pipeline_fn, halo: str, skin: float, repeats: int) -> dic
     with DistributedPipeline(pipeline, config) as dp:
         out = dp(sharded, stress=True)  # builds the plan
         if skin == 0.0:
+
             def step():
                 sharded.positions = sharded.positions + 1e-4 * torch.randn(sharded.positions.shape, generator=g, dtype=torch.float64)
                 return dp(sharded, stress=True)
         else:
+
             def step():
                 return dp(sharded, stress=True)
+
         seconds, out = timed(step, repeats)
     ghosts = {k: v for k, v in out["halo"].items()}
     ghost_max = max_over_ranks([float(ghosts[k]) for k in ghosts])
-    return {"seconds": max_over_ranks([seconds])[0], "ghosts": dict(zip(ghosts, ghost_max)), "n": sharded.n_total,
-            "energy": float(out["energy"])}
+    return {
+        "seconds": max_over_ranks([seconds])[0],
+        "ghosts": dict(zip(ghosts, ghost_max)),
+        "n": sharded.n_total,
+        "energy": float(out["energy"]),
+    }
 
 
 def single_process(system_fn, pipeline_fn, skin: float, repeats: int) -> dict:
@@ -86,7 +93,9 @@ def single_process(system_fn, pipeline_fn, skin: float, repeats: int) -> dict:
 
     def step():
         if skin == 0.0:
-            state["s"] = state["s"].replace(positions=state["s"].positions + 1e-4 * torch.randn(system.positions.shape, generator=g, dtype=torch.float64))
+            state["s"] = state["s"].replace(
+                positions=state["s"].positions + 1e-4 * torch.randn(system.positions.shape, generator=g, dtype=torch.float64)
+            )
         return pipeline(state["s"], stress=True)
 
     seconds, out = timed(step, repeats)
@@ -98,7 +107,9 @@ def part1(cells: int, repeats: int) -> list:
     for skin, label in ((0.0, "rebuild"), (1.0, "reuse")):
         for halo in ("per_model", "max"):
             r = measure(lambda: demo_system(cells=cells), salt_composite, halo, skin, repeats)
-            rows.append([halo, label, r["n"], int(r["ghosts"]["LennardJones"]), int(r["ghosts"]["DSFCoulomb"]), f"{r['seconds'] * 1e3:.0f}"])
+            rows.append(
+                [halo, label, r["n"], int(r["ghosts"]["LennardJones"]), int(r["ghosts"]["DSFCoulomb"]), f"{r['seconds'] * 1e3:.0f}"]
+            )
     return rows
 
 

@@ -100,8 +100,10 @@ def main() -> None:
     for per_layer in (True, False):
         model = TorchModel(net, cutoff=net.cutoff, layers=net.n_layers, per_layer=per_layer)
         out = Pipeline([Group([Step(model)], autograd=True)])(system, stress=True)
-        print(f"per_layer={per_layer!s:5}  halo={model.halo:4.1f} Å  E={float(out['energy']):.10f} eV  "
-              f"|F|max={float(out['forces'].abs().max()):.6f} eV/Å")
+        print(
+            f"per_layer={per_layer!s:5}  halo={model.halo:4.1f} Å  E={float(out['energy']):.10f} eV  "
+            f"|F|max={float(out['forces'].abs().max()):.6f} eV/Å"
+        )
 
 
 if __name__ == "__main__":

@@ -72,7 +72,11 @@ class Domain:
     def ghost_count(self, width: float) -> int:
         """Number of ghost rows a model with halo ``width`` sees."""
         limit = float(width) + skin_margin(self.skin) + 1e-12
-        return int(torch.searchsorted(self.ghost_distance, torch.tensor([limit], dtype=self.ghost_distance.dtype, device=self.ghost_distance.device), right=True))
+        return int(
+            torch.searchsorted(
+                self.ghost_distance, torch.tensor([limit], dtype=self.ghost_distance.dtype, device=self.ghost_distance.device), right=True
+            )
+        )
 
     def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

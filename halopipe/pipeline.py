@@ -74,7 +74,8 @@ class Group:
             for s in self.steps:
                 if not s.model.direct_forces:
                     raise ValueError(
-                        f"Group: {s.model.name} does not offer direct forces and cannot be in a direct group (autograd=False); put it in an autograd group"
+                        f"Group: {s.model.name} does not offer direct forces and cannot be in a direct group (autograd=False); "
+                        "put it in an autograd group"
                     )
 
 
@@ -111,7 +112,9 @@ def _check_wiring(groups: list[Group]) -> None:
                     )
             for visible in step.produced().values():
                 if not group.autograd:
-                    raise ValueError(f"Pipeline: {step.model.name} produces '{visible}' in a direct group; producers belong in autograd groups")
+                    raise ValueError(
+                        f"Pipeline: {step.model.name} produces '{visible}' in a direct group; producers belong in autograd groups"
+                    )
                 local.add(visible)
         for name in local:
             produced_in.setdefault(name, g)
@@ -176,7 +179,10 @@ class Pipeline(torch.nn.Module):
     def check_system(self, system_fields, where: str = "Pipeline") -> None:
         missing = sorted(self.required_fields() - set(system_fields))
         if missing:
-            raise ValueError(f"{where}: the system lacks field(s) {missing} that no step produces; add them to System.fields or wire a model that produces them")
+            raise ValueError(
+                f"{where}: the system lacks field(s) {missing} that no step produces; "
+                "add them to System.fields or wire a model that produces them"
+            )
 
     def domain_for(self, system: System) -> LocalDomain:
         if self._domain is not None and self._domain.compatible(system):
@@ -196,7 +202,14 @@ class Pipeline(torch.nn.Module):
 
 # --------------------------------------------------------------------------- views
 def build_view(
-    domain: Domain, step: Step, width: float, positions: torch.Tensor, cell: torch.Tensor, fields: dict[str, torch.Tensor], pair_cache: dict, key
+    domain: Domain,
+    step: Step,
+    width: float,
+    positions: torch.Tensor,
+    cell: torch.Tensor,
+    fields: dict[str, torch.Tensor],
+    pair_cache: dict,
+    key,
 ) -> LocalView:
     """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs."""
     model = step.model
@@ -221,9 +234,19 @@ def build_view(
     pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
     inputs = {name: refresh(fields[step.source_of(name)]) for name in sorted(model.inputs)}
     return LocalView(
-        positions=rows, numbers=torch.cat([domain.numbers, domain.ghost_numbers[:n_ghost]]), n_owned=n,
-        cell=cell, pbc=domain.pbc, pairs=pairs, vectors=vec, distances=dist, fields=inputs, refresh=refresh,
-        global_sum=domain.global_sum, n_total=domain.n_total, ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
+        positions=rows,
+        numbers=torch.cat([domain.numbers, domain.ghost_numbers[:n_ghost]]),
+        n_owned=n,
+        cell=cell,
+        pbc=domain.pbc,
+        pairs=pairs,
+        vectors=vec,
+        distances=dist,
+        fields=inputs,
+        refresh=refresh,
+        global_sum=domain.global_sum,
+        n_total=domain.n_total,
+        ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
         cutoff=float(model.cutoff),
     )
 

@@ -61,7 +61,11 @@ class System:
         self.positions = _as_float(positions, dtype, device, "positions")
         self.numbers = torch.as_tensor(self.numbers, device=device).to(torch.int64)
         self.cell = torch.zeros(3, 3, dtype=dtype, device=device) if self.cell is None else _as_float(self.cell, dtype, device, "cell")
-        self.pbc = torch.zeros(3, dtype=torch.bool, device=device) if self.pbc is None else torch.as_tensor(self.pbc, device=device).to(torch.bool).reshape(-1)
+        self.pbc = (
+            torch.zeros(3, dtype=torch.bool, device=device)
+            if self.pbc is None
+            else torch.as_tensor(self.pbc, device=device).to(torch.bool).reshape(-1)
+        )
         if self.pbc.numel() == 1:
             self.pbc = self.pbc.repeat(3)
         if self.masses is None:
@@ -123,7 +127,8 @@ class System:
         sv = torch.linalg.svdvals(periodic)
         if sv.min() < 1e-8 * max(float(sv.max()), 1.0):
             raise ValueError(
-                f"System: the periodic lattice vectors are linearly dependent (cell {cell.tolist()}); the cell is singular on a periodic axis"
+                f"System: the periodic lattice vectors are linearly dependent (cell {cell.tolist()}); "
+                "the cell is singular on a periodic axis"
             )
 
     # ------------------------------------------------------------ conveniences
@@ -146,12 +151,12 @@ class System:
     def volume(self) -> float:
         return float(torch.linalg.det(self.cell.detach().to(torch.float64)).abs())
 
-    def replace(self, **changes) -> "System":
+    def replace(self, **changes) -> System:
         """A copy with some attributes replaced (fields dict is copied)."""
         changes.setdefault("fields", dict(self.fields))
         return replace(self, **changes)
 
-    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "System":
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> System:
         """A copy converted to ``dtype`` (floating tensors) and/or ``device``."""
 
         def conv(t: torch.Tensor) -> torch.Tensor:
@@ -159,13 +164,17 @@ class System:
             return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
         return System(
-            positions=conv(self.positions), numbers=conv(self.numbers), cell=conv(self.cell), pbc=conv(self.pbc),
-            masses=conv(self.masses), fields={k: conv(v) for k, v in self.fields.items()},
+            positions=conv(self.positions),
+            numbers=conv(self.numbers),
+            cell=conv(self.cell),
+            pbc=conv(self.pbc),
+            masses=conv(self.masses),
+            fields={k: conv(v) for k, v in self.fields.items()},
         )
 
     # -------------------------------------------------------------------- ASE
     @classmethod
-    def from_ase(cls, atoms, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> "System":
+    def from_ase(cls, atoms, dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu") -> System:
         """Build a System from ``ase.Atoms``; initial charges and velocities become fields."""
         fields: dict[str, np.ndarray] = {}
         if atoms.has("initial_charges"):
@@ -191,8 +200,11 @@ class System:
 
         npy = lambda x: x.detach().cpu().numpy()  # noqa: E731
         atoms = Atoms(
-            numbers=npy(self.numbers), positions=npy(self.positions).astype(np.float64),
-            cell=npy(self.cell).astype(np.float64), pbc=npy(self.pbc), masses=npy(self.masses).astype(np.float64),
+            numbers=npy(self.numbers),
+            positions=npy(self.positions).astype(np.float64),
+            cell=npy(self.cell).astype(np.float64),
+            pbc=npy(self.pbc),
+            masses=npy(self.masses).astype(np.float64),
         )
         for name, value in self.fields.items():
             if name == "charges":

@@ -55,7 +55,7 @@ def test_verlet_list_reuses_within_half_skin_and_stays_exact():
     pos = torch.tensor(rng.uniform(0, 1, (30, 3))) @ cell
     vl = VerletList(cutoff=3.0, skin=1.0)
     vl(pos, cell, pbc)
-    for step in range(6):
+    for _step in range(6):
         pos = pos + torch.tensor(rng.normal(scale=0.05, size=(30, 3)))
         i, j, s = vl(pos, cell, pbc)
         got = {(int(a), int(b), tuple(int(x) for x in c)) for a, b, c in zip(i, j, s)}

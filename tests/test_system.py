@@ -48,7 +48,10 @@ def test_default_masses_are_standard():
         ({"positions": [[0, 0, 0]], "numbers": [119]}, "atomic number 119"),
         ({"positions": [[0, 0, 0], [1, 0, 0]], "numbers": [1]}, "numbers must have shape"),
         ({"positions": [[0, 0]], "numbers": [1]}, "positions must have shape"),
-        ({"positions": [[0, 0, 0]], "numbers": [1], "pbc": [True, True, True], "cell": [[1, 0, 0], [2, 0, 0], [0, 0, 1]]}, "linearly dependent"),
+        (
+            {"positions": [[0, 0, 0]], "numbers": [1], "pbc": [True, True, True], "cell": [[1, 0, 0], [2, 0, 0], [0, 0, 1]]},
+            "linearly dependent",
+        ),
         ({"positions": [[0, 0, 0]], "numbers": [1], "pbc": [True, False, False]}, "axis 0 is periodic but its lattice vector is zero"),
         ({"positions": [[0, 0, 0]], "numbers": [1], "fields": {"charges": [1.0, 2.0]}}, "field 'charges' has shape"),
         ({"positions": [[0, 0, 0]], "numbers": [1], "masses": [-1.0]}, "atom 0 has mass -1.0"),

@@ -89,7 +89,9 @@ class Comm:
         self._checked(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
-    def exchange(self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple], dtype: torch.dtype, device) -> dict[int, torch.Tensor]:
+    def exchange(
+        self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple], dtype: torch.dtype, device
+    ) -> dict[int, torch.Tensor]:
         """Send ``sends[peer]`` to each peer and receive ``recv_shapes[peer]`` from each.
 
         A message to oneself is passed through locally. Empty messages are
@@ -117,9 +119,11 @@ class Comm:
             out[peer] = buf
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag))
         if ops:
+
             def run():
                 for req in dist.batch_isend_irecv(ops):
                     req.wait()
+
             self._checked(run)
         return out
 
@@ -186,7 +190,9 @@ class Comm:
                         self._store.set(f"{key}/ack/{self.rank}", "1")
                         return DistributedError(f"{message} (reported on rank {self.rank})")
             if time.monotonic() > deadline:
-                return DistributedError(f"rank {self.rank}: communication failed during {what} and no rank reported a cause (a peer may have died)")
+                return DistributedError(
+                    f"rank {self.rank}: communication failed during {what} and no rank reported a cause (a peer may have died)"
+                )
             time.sleep(0.05)
 
     def _wait_for_acks(self, key: str) -> None:

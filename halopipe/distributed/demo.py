@@ -34,20 +34,28 @@ def demo_worker(atoms: int, repeats: int) -> dict:
             dpipe(sharded, stress=True)
             best = min(best, time.perf_counter() - t0)
     forces = sharded.gather(out["forces"])
-    ghosts = sharded.all_reduce(torch.tensor([[out["halo"][k] for k in out["halo"]]], dtype=torch.float64).repeat(sharded.world_size, 1)
-                                * (torch.arange(sharded.world_size) == sharded.rank)[:, None])
+    ghosts = sharded.all_reduce(
+        torch.tensor([[out["halo"][k] for k in out["halo"]]], dtype=torch.float64).repeat(sharded.world_size, 1)
+        * (torch.arange(sharded.world_size) == sharded.rank)[:, None]
+    )
     times = sharded.all_reduce(torch.tensor([best], dtype=torch.float64), "max")
     if rank != 0:
         return {}
     models = [s.model for g in pipeline.groups for s in g.steps]
     return {
-        "n_atoms": system.n_atoms, "grid": sharded.grid, "names": list(out["energies"]), "cutoffs": [m.cutoff for m in models],
+        "n_atoms": system.n_atoms,
+        "grid": sharded.grid,
+        "names": list(out["energies"]),
+        "cutoffs": [m.cutoff for m in models],
         "energies": {k: float(v) for k, v in out["energies"].items()},
         "reference": {k: float(v) for k, v in reference["energies"].items()},
-        "energy": float(out["energy"]), "reference_energy": float(reference["energy"]),
+        "energy": float(out["energy"]),
+        "reference_energy": float(reference["energy"]),
         "force_diff": float((forces - reference["forces"]).abs().max()),
         "stress_diff": float((out["stress"] - reference["stress"]).abs().max()),
-        "ghosts": ghosts.tolist(), "halo_keys": list(out["halo"]), "seconds": float(times[0]),
+        "ghosts": ghosts.tolist(),
+        "halo_keys": list(out["halo"]),
+        "seconds": float(times[0]),
     }
 
 
@@ -58,7 +66,10 @@ def _print_table(r: dict) -> None:
     for k, name in enumerate(r["names"]):
         rows = [int(g[k]) for g in r["ghosts"]]
         shown = ", ".join(map(str, rows)) if nproc <= 4 else f"mean {sum(rows) / nproc:.0f}, max {max(rows)}"
-        print(f"{name:<14}{r['cutoffs'][k]:>9.2f}{shown:>26}{r['energies'][name]:>18.6f}{abs(r['energies'][name] - r['reference'][name]):>16.2e}")
+        print(
+            f"{name:<14}{r['cutoffs'][k]:>9.2f}{shown:>26}{r['energies'][name]:>18.6f}"
+            f"{abs(r['energies'][name] - r['reference'][name]):>16.2e}"
+        )
     print(f"{'total':<14}{'':>9}{'':>26}{r['energy']:>18.6f}{abs(r['energy'] - r['reference_energy']):>16.2e}")
     print(f"max |ΔF| vs single process: {r['force_diff']:.2e} eV/Å;  max |Δstress|: {r['stress_diff']:.2e} eV/Å³")
     print(f"time per evaluation (energy+forces+stress, slowest rank): {r['seconds'] * 1e3:.1f} ms")

@@ -47,14 +47,16 @@ class HaloPlan:
         self.send_counts = matrix[comm.rank].tolist()
         self.recv_counts = matrix[:, comm.rank].tolist()
         starts = torch.cumsum(counts, 0) - counts
-        self.send_index = {d: self.send_atom[int(starts[d]): int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
-        self.send_dist = {d: send_dist[int(starts[d]): int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
+        self.send_index = {d: self.send_atom[int(starts[d]) : int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
+        self.send_dist = {d: send_dist[int(starts[d]) : int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
         # Metadata travels once per rebuild: species, id, image shift, distance.
         meta_int = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order]], dim=1)
         recv_int = self._exchange_rows(meta_int, torch.int64)
         recv_dist = self._exchange_rows(send_dist[:, None], torch.float64)
         blocks_int = torch.cat([recv_int[s] for s in sorted(recv_int)]) if recv_int else torch.zeros(0, 5, dtype=torch.int64, device=device)
-        blocks_dist = torch.cat([recv_dist[s] for s in sorted(recv_dist)])[:, 0] if recv_dist else torch.zeros(0, dtype=torch.float64, device=device)
+        blocks_dist = (
+            torch.cat([recv_dist[s] for s in sorted(recv_dist)])[:, 0] if recv_dist else torch.zeros(0, dtype=torch.float64, device=device)
+        )
         self.recv_dist = {s: recv_dist[s][:, 0] for s in recv_dist}
         ghost_order = torch.argsort(blocks_dist, stable=True)
         self.ghost_numbers = blocks_int[ghost_order, 0]
@@ -68,7 +70,7 @@ class HaloPlan:
         offset = 0
         for s in sorted(recv_int):
             c = recv_int[s].shape[0]
-            self.recv_slot[s] = where[offset: offset + c]
+            self.recv_slot[s] = where[offset : offset + c]
             offset += c
         self._counts_cache: dict[float, tuple[dict, dict, int]] = {}
 
@@ -77,7 +79,7 @@ class HaloPlan:
         sends = {}
         for d, c in enumerate(self.send_counts):
             if c:
-                sends[d] = rows[starts: starts + c].to(dtype)
+                sends[d] = rows[starts : starts + c].to(dtype)
             starts += c
         shapes = {s: (c, rows.shape[1]) for s, c in enumerate(self.recv_counts) if c}
         return self.comm.exchange(sends, shapes, dtype, rows.device)

@@ -102,10 +102,10 @@ def spawn(fn, nproc: int, *args, timeout: float = 300.0, backend: str = "gloo", 
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
                 collected[rank] = (ok, value)
-            except queue.Empty:
+            except queue.Empty:  # nothing reported this second: has a rank died without reporting?
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in collected]
                 if dead:
-                    raise SpawnError(f"spawn: rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                    raise SpawnError(f"spawn: rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -105,7 +105,7 @@ class Partition:
     bounds: list[torch.Tensor]  # per axis, p+1 boundaries in fractional coordinates
 
     @classmethod
-    def build(cls, grid, cell, pbc, frac_min: torch.Tensor | None = None, frac_max: torch.Tensor | None = None) -> "Partition":
+    def build(cls, grid, cell, pbc, frac_min: torch.Tensor | None = None, frac_max: torch.Tensor | None = None) -> Partition:
         geo = Geometry(cell, pbc)
         bounds = []
         for a in range(3):
@@ -212,7 +212,7 @@ def images_near_bricks(
     combines the axes by broadcasting: no Python loop over atoms.
     """
     device = wrapped.device
-    n = wrapped.shape[0]
+    wrapped.shape[0]
     per_axis = []
     for a in range(3):
         p = partition.grid[a]

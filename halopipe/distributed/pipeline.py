@@ -32,7 +32,7 @@ class DistributedPipeline:
         self.config = config or DomainConfig()
         self._pair_cache: dict = {}
 
-    def __enter__(self) -> "DistributedPipeline":
+    def __enter__(self) -> DistributedPipeline:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -59,7 +59,10 @@ class DistributedPipeline:
         if problem:
             return problem
         if float(self.config.skin) != sharded.skin:
-            return f"DistributedPipeline: config skin {self.config.skin} differs from the system's skin {sharded.skin}; scatter with the same DomainConfig"
+            return (
+                f"DistributedPipeline: config skin {self.config.skin} differs from the system's skin {sharded.skin}; "
+                "scatter with the same DomainConfig"
+            )
         missing = sorted(self.pipeline.required_fields() - set(sharded.schema))
         if missing:
             return f"DistributedPipeline: the system lacks field(s) {missing} that no step produces"

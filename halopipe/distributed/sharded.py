@@ -56,7 +56,10 @@ class DomainConfig:
             if len(grid) != 3 or any((not isinstance(g, int)) or g < 1 for g in grid):
                 return f"DomainConfig.grid must be three positive integers, got {self.grid}"
             if math.prod(grid) != world_size:
-                return f"DomainConfig.grid {grid} has {math.prod(grid)} bricks but the world size is {world_size}; use a grid whose product is {world_size} or grid=None"
+                return (
+                    f"DomainConfig.grid {grid} has {math.prod(grid)} bricks but the world size is {world_size}; "
+                    f"use a grid whose product is {world_size} or grid=None"
+                )
         if not (self.skin >= 0 and math.isfinite(self.skin)):
             return f"DomainConfig.skin must be a finite number >= 0, got {self.skin}"
         if self.halo not in ("per_model", "max"):
@@ -84,7 +87,7 @@ class ShardedSystem(Domain):
 
     # ------------------------------------------------------------- creation
     @classmethod
-    def scatter(cls, system: System | None, config: DomainConfig | None = None, src: int = 0) -> "ShardedSystem":
+    def scatter(cls, system: System | None, config: DomainConfig | None = None, src: int = 0) -> ShardedSystem:
         """Distribute ``system`` (held by rank ``src``; ``None`` elsewhere) over all ranks.
 
         Collective: every rank calls it. Bad input is reported on every rank
@@ -97,8 +100,15 @@ class ShardedSystem(Domain):
         if comm.rank == src:
             grid = tuple(config.grid) if config.grid is not None else choose_grid(comm.size, system.cell, system.pbc)
             schema = {k: (tuple(v.shape[1:]), v.dtype) for k, v in system.fields.items()}
-            meta = {"cell": system.cell.cpu(), "pbc": system.pbc.cpu(), "n_total": system.n_atoms, "grid": grid, "schema": schema,
-                    "dtype": system.dtype, "device": str(system.device)}
+            meta = {
+                "cell": system.cell.cpu(),
+                "pbc": system.pbc.cpu(),
+                "n_total": system.n_atoms,
+                "grid": grid,
+                "schema": schema,
+                "dtype": system.dtype,
+                "device": str(system.device),
+            }
         meta = comm.broadcast_object(meta, src=src)
         device = torch.device(meta["device"]) if comm.rank == src else _local_device(meta["device"])
         meta["cell"], meta["pbc"] = meta["cell"].to(device), meta["pbc"].to(device)
@@ -136,8 +146,12 @@ class ShardedSystem(Domain):
     def to_system(self) -> System:
         """The whole system, assembled on every rank (for output and checks)."""
         return System(
-            positions=self.gather(self.positions), numbers=self.gather(self.numbers), cell=self.cell, pbc=self.pbc,
-            masses=self.gather(self.masses), fields={k: self.gather(v) for k, v in self.fields.items()},
+            positions=self.gather(self.positions),
+            numbers=self.gather(self.numbers),
+            cell=self.cell,
+            pbc=self.pbc,
+            masses=self.gather(self.masses),
+            fields={k: self.gather(v) for k, v in self.fields.items()},
         )
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +163,12 @@ class ShardedSystem(Domain):
     # ------------------------------------------------------------ the plan
     def prepare(self, width: float) -> bool:
         """Rebuild plan (with migration) if needed for ``width``; collective."""
-        moved = max_displacement(self.positions, self._ref) if self._ref is not None and self._ref.shape == self.positions.shape else math.inf
-        flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(self.plan is None or width > self._width)], dtype=torch.float64)
+        moved = (
+            max_displacement(self.positions, self._ref) if self._ref is not None and self._ref.shape == self.positions.shape else math.inf
+        )
+        flags = torch.tensor(
+            [moved if math.isfinite(moved) else 1e300, float(self.plan is None or width > self._width)], dtype=torch.float64
+        )
         flags = self.comm.all_reduce(flags, "max")
         threshold = 0.5 * self.skin if self.skin > 0 else 0.0
         if flags[1] > 0 or flags[0] > threshold:
@@ -249,10 +267,10 @@ class ShardedSystem(Domain):
         for name, (shape, dt) in self.schema.items():
             width = math.prod(shape)
             if dt.is_floating_point:
-                self.fields[name] = floats[:, fcol: fcol + width].reshape((n,) + shape).to(dt)
+                self.fields[name] = floats[:, fcol : fcol + width].reshape((n,) + shape).to(dt)
                 fcol += width
             else:
-                self.fields[name] = ints[:, icol: icol + width].reshape((n,) + shape).to(dt)
+                self.fields[name] = ints[:, icol : icol + width].reshape((n,) + shape).to(dt)
                 icol += width
 
 
@@ -273,7 +291,10 @@ def _scatter_problem(system, config: DomainConfig, src: int, comm: Comm) -> str 
     if comm.rank == src and system is None:
         return f"ShardedSystem.scatter: the source rank {src} must pass the System (got None)"
     if comm.rank != src and system is not None:
-        return f"ShardedSystem.scatter: a System was passed on rank {comm.rank}, but only the source rank {src} may hold it; pass None on the other ranks"
+        return (
+            f"ShardedSystem.scatter: a System was passed on rank {comm.rank}, but only the source rank {src} may hold it; "
+            "pass None on the other ranks"
+        )
     if comm.rank == src:
         if not isinstance(system, System):
             return f"ShardedSystem.scatter: expected a halopipe.System, got {type(system).__name__}"

@@ -81,7 +81,9 @@ class TorchModel(Model):
             raise ValueError(f"TorchModel: layers must be a positive integer, got {layers}")
         missing = [h for h in HOOKS if not callable(getattr(module, h, None))]
         if per_layer and missing:
-            raise ValueError(f"TorchModel: per_layer=True needs the module to define {list(HOOKS)}; {type(module).__name__} lacks {missing}")
+            raise ValueError(
+                f"TorchModel: per_layer=True needs the module to define {list(HOOKS)}; {type(module).__name__} lacks {missing}"
+            )
         self.module = module
         self.cutoff = float(cutoff)
         self.layers = int(layers)
@@ -120,4 +122,6 @@ class TorchModel(Model):
 
     def _check(self, energies: torch.Tensor, n: int) -> None:
         if energies.shape != (n,):
-            raise ValueError(f"TorchModel: {self.name} must return per-atom energies of shape (n_nodes,), got {tuple(energies.shape)} for {n} owned rows")
+            raise ValueError(
+                f"TorchModel: {self.name} must return per-atom energies of shape (n_nodes,), got {tuple(energies.shape)} for {n} owned rows"
+            )

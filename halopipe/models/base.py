@@ -19,8 +19,8 @@ all ranks yields exact forces and stress for any composition of models.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 

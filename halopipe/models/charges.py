@@ -26,9 +26,32 @@ __all__ = ["ChargeModel", "PAULING_ELECTRONEGATIVITY"]
 
 # Pauling electronegativities of common elements (default raw-charge scale).
 PAULING_ELECTRONEGATIVITY = {
-    1: 2.20, 3: 0.98, 4: 1.57, 5: 2.04, 6: 2.55, 7: 3.04, 8: 3.44, 9: 3.98, 11: 0.93, 12: 1.31, 13: 1.61, 14: 1.90,
-    15: 2.19, 16: 2.58, 17: 3.16, 19: 0.82, 20: 1.00, 26: 1.83, 29: 1.90, 30: 1.65, 35: 2.96, 37: 0.82, 38: 0.95,
-    53: 2.66, 55: 0.79, 56: 0.89,
+    1: 2.20,
+    3: 0.98,
+    4: 1.57,
+    5: 2.04,
+    6: 2.55,
+    7: 3.04,
+    8: 3.44,
+    9: 3.98,
+    11: 0.93,
+    12: 1.31,
+    13: 1.61,
+    14: 1.90,
+    15: 2.19,
+    16: 2.58,
+    17: 3.16,
+    19: 0.82,
+    20: 1.00,
+    26: 1.83,
+    29: 1.90,
+    30: 1.65,
+    35: 2.96,
+    37: 0.82,
+    38: 0.95,
+    53: 2.66,
+    55: 0.79,
+    56: 0.89,
 }
 
 
@@ -58,7 +81,9 @@ class ChargeModel(Model):
 
     outputs = frozenset({"charges"})
 
-    def __init__(self, cutoff: float = 4.0, electronegativity=None, coordination_weight=0.02, total_charge: float = 0.0, hardness=0.0) -> None:
+    def __init__(
+        self, cutoff: float = 4.0, electronegativity=None, coordination_weight=0.02, total_charge: float = 0.0, hardness=0.0
+    ) -> None:
         super().__init__()
         if cutoff <= 0:
             raise ValueError(f"ChargeModel: cutoff must be positive, got {cutoff}")

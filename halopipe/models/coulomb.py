@@ -50,7 +50,7 @@ class DSFCoulomb(Model):
         self.cutoff, self.alpha = float(cutoff), float(alpha)
         a, rc = self.alpha, self.cutoff
         self._erfc_rc = math.erfc(a * rc) / rc
-        self._slope = math.erfc(a * rc) / rc**2 + 2 * a / math.sqrt(math.pi) * math.exp(-(a * rc) ** 2) / rc
+        self._slope = math.erfc(a * rc) / rc**2 + 2 * a / math.sqrt(math.pi) * math.exp(-((a * rc) ** 2)) / rc
         self._self = math.erfc(a * rc) / (2 * rc) + a / math.sqrt(math.pi)
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:

@@ -40,8 +40,17 @@ __all__ = ["MACE"]
 
 _HALO_MODES = ("layer", "wide")
 # The attributes of mace.modules.MACE that this wrapper drives (block call signatures as of mace-torch 0.3.16).
-_REQUIRED = ("atomic_numbers", "r_max", "node_embedding", "spherical_harmonics", "radial_embedding",
-             "interactions", "products", "readouts", "atomic_energies_fn")
+_REQUIRED = (
+    "atomic_numbers",
+    "r_max",
+    "node_embedding",
+    "spherical_harmonics",
+    "radial_embedding",
+    "interactions",
+    "products",
+    "readouts",
+    "atomic_energies_fn",
+)
 
 
 def _model_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -57,10 +66,14 @@ def _check_supported(module: torch.nn.Module) -> None:
         raise TypeError("MACE: TorchScript (compiled) models are not supported; load the original .model file saved with torch.save")
     missing = [name for name in _REQUIRED if not hasattr(module, name)]
     if missing:
-        raise ValueError(f"MACE: {type(module).__name__} is not a mace-torch energy model (missing {missing}); "
-                         "pass a mace.modules.MACE or ScaleShiftMACE")
+        raise ValueError(
+            f"MACE: {type(module).__name__} is not a mace-torch energy model (missing {missing}); "
+            "pass a mace.modules.MACE or ScaleShiftMACE"
+        )
     if hasattr(module, "joint_embedding"):
-        raise ValueError("MACE: models with a joint embedding of per-structure inputs (embedding_specs, e.g. total charge or spin) are not supported")
+        raise ValueError(
+            "MACE: models with a joint embedding of per-structure inputs (embedding_specs, e.g. total charge or spin) are not supported"
+        )
 
 
 class MACE(Model):
@@ -130,7 +143,9 @@ class MACE(Model):
             raise ValueError(f"MACE.from_file: no such file {str(path)!r}")
         module = torch.load(path, map_location=map_location, weights_only=False)
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"MACE.from_file: {str(path)!r} holds a {type(module).__name__}, not a model; save the model with torch.save(model, path)")
+            raise TypeError(
+                f"MACE.from_file: {str(path)!r} holds a {type(module).__name__}, not a model; save the model with torch.save(model, path)"
+            )
         return cls(module, **kwargs)
 
     @property
@@ -174,8 +189,15 @@ class MACE(Model):
 
         per_layer = []
         for k, (interaction, product) in enumerate(zip(m.interactions, m.products)):
-            node_feats, sc = interaction(node_attrs=attrs, node_feats=node_feats, edge_attrs=edge_attrs, edge_feats=edge_feats,
-                                         edge_index=edge_index, cutoff=cutoff, first_layer=(k == 0))
+            node_feats, sc = interaction(
+                node_attrs=attrs,
+                node_feats=node_feats,
+                edge_attrs=edge_attrs,
+                edge_feats=edge_feats,
+                edge_index=edge_index,
+                cutoff=cutoff,
+                first_layer=(k == 0),
+            )
             if self.halo_mode == "wide":
                 node_feats = product(node_feats=node_feats, sc=sc, node_attrs=attrs)
             else:
@@ -188,7 +210,9 @@ class MACE(Model):
         energies = self._energies(n, attrs, per_layer, edge_index, lengths)
         return ModelOutput(energies=energies.to(view.positions.dtype))
 
-    def _energies(self, n: int, attrs: torch.Tensor, per_layer: list[torch.Tensor], edge_index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def _energies(
+        self, n: int, attrs: torch.Tensor, per_layer: list[torch.Tensor], edge_index: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
         """E0 + (pair repulsion + readouts), scaled/shifted as ScaleShiftMACE does, owned rows only."""
         m = self.module
         rows = torch.arange(n, device=attrs.device)

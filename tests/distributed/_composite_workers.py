@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from halopipe import PME, ChargeModel, DFTD3, Ewald, Group, LennardJones, Pipeline, Step, System
+from halopipe import DFTD3, PME, ChargeModel, Ewald, Group, LennardJones, Pipeline, Step, System
 from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
 
 from ._workers import rank
@@ -36,7 +35,9 @@ def composite(name: str) -> Pipeline:
             ]
         )
     if name == "c_charges_pme":
-        return Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(PME(cutoff=6.0, accuracy=1e-4, order=4))], autograd=True)])
+        return Pipeline(
+            [Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(PME(cutoff=6.0, accuracy=1e-4, order=4))], autograd=True)]
+        )
     if name == "d_d3_wide":  # 2-body cutoff wider than a brick (bricks are 4-8 Å here)
         return Pipeline([Group([Step(DFTD3("b3lyp", damping="zero", cutoff=12.0, cn_cutoff=7.0))], autograd=True)])
     raise ValueError(name)
@@ -71,9 +72,9 @@ def physics_composites(names: list[str]) -> list:
 # ------------------------------------------------------------------------------------------- MACE
 def mace_cases(modes: list[str]) -> list:
     """A random-weight MACE alone (both halo modes) and MACE + DFTD3, on a periodic and a non-periodic system."""
-    from ..models.test_mace import build_model, make_atoms  # imports mace first (e3nn constants)
-
     from halopipe import MACE
+
+    from ..models.test_mace import build_model, make_atoms  # imports mace first (e3nn constants)
 
     module = build_model("scaleshift_L2_corr3")
     results = []

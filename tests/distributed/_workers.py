@@ -71,7 +71,9 @@ def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_mod
     result = {
         "grid": sharded.grid,
         "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
-        "energies_rel": max(abs(float(out["energies"][k] - ref["energies"][k])) / max(abs(float(ref["energies"][k])), 1e-300) for k in ref["energies"]),
+        "energies_rel": max(
+            abs(float(out["energies"][k] - ref["energies"][k])) / max(abs(float(ref["energies"][k])), 1e-300) for k in ref["energies"]
+        ),
         "force": float((forces - ref["forces"]).abs().max()),
         "charges": float((charges - ref["charges"]).abs().max()),
         "owned_once": bool((ids == 1).all()),

@@ -12,13 +12,29 @@ from halopipe.distributed.launch import spawn
 from ._workers import run_cases
 
 CASES = {
-    1: [dict(system_kind="triclinic", grid=(1, 1, 1)), dict(system_kind="mixed", grid=(1, 1, 1)), dict(system_kind="small_box", grid=(1, 1, 1))],
-    2: [dict(system_kind="triclinic", grid=(2, 1, 1)), dict(system_kind="mixed", grid=(1, 2, 1)), dict(system_kind="triclinic", grid=(1, 1, 2), halo="max")],
+    1: [
+        dict(system_kind="triclinic", grid=(1, 1, 1)),
+        dict(system_kind="mixed", grid=(1, 1, 1)),
+        dict(system_kind="small_box", grid=(1, 1, 1)),
+    ],
+    2: [
+        dict(system_kind="triclinic", grid=(2, 1, 1)),
+        dict(system_kind="mixed", grid=(1, 2, 1)),
+        dict(system_kind="triclinic", grid=(1, 1, 2), halo="max"),
+    ],
     3: [dict(system_kind="triclinic", grid=(3, 1, 1)), dict(system_kind="mixed", grid=(1, 3, 1))],
-    4: [dict(system_kind="triclinic", grid=(2, 2, 1)), dict(system_kind="triclinic", grid=(4, 1, 1), skin=0.7), dict(system_kind="mixed", grid=(1, 2, 2)),
-        dict(system_kind="small_box", grid=(2, 1, 2))],
+    4: [
+        dict(system_kind="triclinic", grid=(2, 2, 1)),
+        dict(system_kind="triclinic", grid=(4, 1, 1), skin=0.7),
+        dict(system_kind="mixed", grid=(1, 2, 2)),
+        dict(system_kind="small_box", grid=(2, 1, 2)),
+    ],
     6: [dict(system_kind="triclinic", grid=(3, 2, 1)), dict(system_kind="mixed", grid=(1, 3, 2))],
-    8: [dict(system_kind="triclinic", grid=(2, 2, 2)), dict(system_kind="triclinic", grid=(8, 1, 1)), dict(system_kind="mixed", grid=(2, 4, 1))],
+    8: [
+        dict(system_kind="triclinic", grid=(2, 2, 2)),
+        dict(system_kind="triclinic", grid=(8, 1, 1)),
+        dict(system_kind="mixed", grid=(2, 4, 1)),
+    ],
 }
 
 

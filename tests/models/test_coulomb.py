@@ -16,7 +16,7 @@ def dsf_reference(pos, q, cell, pbc, rc, alpha):
     """Fennell & Gezelter (2006) eq. 19, written out over periodic images with NumPy."""
     k = _k()
     shift = erfc(alpha * rc) / rc
-    slope = erfc(alpha * rc) / rc**2 + 2 * alpha / math.sqrt(math.pi) * math.exp(-(alpha * rc) ** 2) / rc
+    slope = erfc(alpha * rc) / rc**2 + 2 * alpha / math.sqrt(math.pi) * math.exp(-((alpha * rc) ** 2)) / rc
     energy = 0.0
     ranges = [range(-3, 4) if p else range(1) for p in pbc]
     for s in itertools.product(*ranges):

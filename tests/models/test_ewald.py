@@ -235,9 +235,20 @@ def split_evaluate(model, system: System, owner: torch.Tensor, n_ranks: int):
             return total
 
         view = LocalView(
-            positions=rows, numbers=torch.cat([system.numbers[owned], system.numbers[pj]]), n_owned=len(owned), cell=cell, pbc=system.pbc,
-            pairs=pairs, vectors=vec, distances=vec.norm(dim=1), fields={"charges": torch.cat([q[owned], q[pj]])},
-            refresh=lambda x: x, global_sum=global_sum, n_total=system.n_atoms, ids=torch.cat([owned, pj]), cutoff=model.cutoff,
+            positions=rows,
+            numbers=torch.cat([system.numbers[owned], system.numbers[pj]]),
+            n_owned=len(owned),
+            cell=cell,
+            pbc=system.pbc,
+            pairs=pairs,
+            vectors=vec,
+            distances=vec.norm(dim=1),
+            fields={"charges": torch.cat([q[owned], q[pj]])},
+            refresh=lambda x: x,
+            global_sum=global_sum,
+            n_total=system.n_atoms,
+            ids=torch.cat([owned, pj]),
+            cutoff=model.cutoff,
         )
         return view, owned
 

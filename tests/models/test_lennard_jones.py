@@ -6,7 +6,7 @@ import torch
 from ase.build import bulk
 from ase.calculators.lj import LennardJones as AseLJ
 
-from halopipe import Group, LennardJones, Pipeline, Step, System
+from halopipe import Group, LennardJones, Pipeline, System
 from halopipe.testing import check_model
 
 from ..conftest import cluster

@@ -22,7 +22,11 @@ from halopipe.pipeline import Group, Pipeline, Step
 from halopipe.system import System
 from halopipe.testing import check_model
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 SPECIES = (1, 6, 8)
 
@@ -41,12 +45,23 @@ def build_model(name: str) -> torch.nn.Module:
     try:
         torch.manual_seed(7)
         kwargs = {
-            "r_max": r_max, "num_bessel": 6, "num_polynomial_cutoff": 5, "max_ell": 2,
+            "r_max": r_max,
+            "num_bessel": 6,
+            "num_polynomial_cutoff": 5,
+            "max_ell": 2,
             "interaction_cls": modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
             "interaction_cls_first": modules.interaction_classes[first],
-            "num_interactions": n_int, "num_elements": len(SPECIES), "hidden_irreps": o3.Irreps(hidden), "MLP_irreps": o3.Irreps("8x0e"),
-            "atomic_energies": np.array([-1.1, -2.3, -3.7]), "avg_num_neighbors": 6.0, "atomic_numbers": list(SPECIES),
-            "correlation": corr, "gate": torch.nn.functional.silu, "radial_MLP": [8, 8], "pair_repulsion": zbl,
+            "num_interactions": n_int,
+            "num_elements": len(SPECIES),
+            "hidden_irreps": o3.Irreps(hidden),
+            "MLP_irreps": o3.Irreps("8x0e"),
+            "atomic_energies": np.array([-1.1, -2.3, -3.7]),
+            "avg_num_neighbors": 6.0,
+            "atomic_numbers": list(SPECIES),
+            "correlation": corr,
+            "gate": torch.nn.functional.silu,
+            "radial_MLP": [8, 8],
+            "pair_repulsion": zbl,
         }
         if kind == "ScaleShiftMACE":
             model = modules.ScaleShiftMACE(atomic_inter_scale=1.3, atomic_inter_shift=-0.2, **kwargs)
