@@ -15,8 +15,9 @@ stress per evaluation:
 
 Memory: mace-torch's own forward+backward for this model takes ~12 MB per atom
 in float64 on CPU (measured: 4.0 GB for 343 atoms, 9 s), so 8k atoms need a
-GPU or ~100 GB of RAM; on the 2-core, 24 GB CI machine run it with
-``--atoms 512``.
+GPU or ~100 GB of RAM. On the 2-core, 24 GB development machine the wide
+halo of even 512 atoms ran out of memory, so the table in docs/benchmarks.md
+was made with ``--atoms 1000 --channels 16 --max-ell 2``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ D3_CUTOFF, D3_CN_CUTOFF = 15.0, 10.0
 SPECIES = (1, 6, 8)
 
 
-def build_mace(seed: int = 0):
+def build_mace(seed: int = 0, channels: int = 128, max_ell: int = 3):
     import mace  # noqa: F401  (sets up e3nn's constants under torch >= 2.6)
     from e3nn import o3
     from mace import modules
@@ -54,7 +55,7 @@ def build_mace(seed: int = 0):
             interaction_cls_first=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
             num_interactions=2,
             num_elements=3,
-            hidden_irreps=o3.Irreps("128x0e+128x1o"),
+            hidden_irreps=o3.Irreps(f"{channels}x0e+{channels}x1o"),
             MLP_irreps=o3.Irreps("16x0e"),
             atomic_energies=np.array([-1.1, -2.3, -3.7]),
             avg_num_neighbors=30.0,
@@ -83,14 +84,22 @@ def amorphous(n_atoms: int, density: float = 0.1, seed: int = 0):
     return Atoms(numbers=rng.choice(SPECIES, n), scaled_positions=frac, cell=np.eye(3) * length, pbc=True)
 
 
-def distributed_case(n_atoms: int, repeats: int, mace_mode: str, halo: str) -> dict:
+def distributed_case(n_atoms: int, repeats: int, mace_mode: str, halo: str, channels: int, max_ell: int) -> dict:
     from halopipe import DFTD3, MACE, Group, Pipeline, Step, System
     from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
 
     torch.set_num_threads(1)
     system = System.from_ase(amorphous(n_atoms)) if rank() == 0 else None
     pipeline = Pipeline(
-        [Group([Step(MACE(build_mace(), halo_mode=mace_mode)), Step(DFTD3("pbe", cutoff=D3_CUTOFF, cn_cutoff=D3_CN_CUTOFF))])], skin=0.5
+        [
+            Group(
+                [
+                    Step(MACE(build_mace(channels=channels, max_ell=max_ell), halo_mode=mace_mode)),
+                    Step(DFTD3("pbe", cutoff=D3_CUTOFF, cn_cutoff=D3_CN_CUTOFF)),
+                ]
+            )
+        ],
+        skin=0.5,
     )
     config = DomainConfig(skin=0.5, halo=halo, timeout=3600)
     sharded = ShardedSystem.scatter(system, config)
@@ -107,7 +116,7 @@ def distributed_case(n_atoms: int, repeats: int, mace_mode: str, halo: str) -> d
     }
 
 
-def baseline(n_atoms: int, repeats: int) -> dict:
+def baseline(n_atoms: int, repeats: int, channels: int, max_ell: int) -> dict:
     """mace-torch's calculator + s-dftd3 in one process (1 thread), summed."""
     from ase import units
     from dftd3.interface import DispersionModel, RationalDampingParam
@@ -115,7 +124,7 @@ def baseline(n_atoms: int, repeats: int) -> dict:
 
     torch.set_num_threads(1)
     atoms = amorphous(n_atoms)
-    calc = MACECalculator(models=build_mace(), default_dtype="float64", device="cpu")
+    calc = MACECalculator(models=build_mace(channels=channels, max_ell=max_ell), default_dtype="float64", device="cpu")
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -139,10 +148,12 @@ def main() -> None:
     parser.add_argument("--atoms", type=int, default=8000)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--channels", type=int, default=128, help="multiplicity of 0e and 1o hidden irreps (128: realistic size)")
+    parser.add_argument("--max-ell", type=int, default=3, help="spherical harmonics order of the edges")
     args = parser.parse_args()
     rows = []
     for mode, halo in (("layer", "per_model"), ("wide", "per_model"), ("layer", "max")):
-        r = spawn(distributed_case, args.nproc, args.atoms, args.repeats, mode, halo, timeout=3600)[0]
+        r = spawn(distributed_case, args.nproc, args.atoms, args.repeats, mode, halo, args.channels, args.max_ell, timeout=3600)[0]
         rows.append(
             [
                 f"MACE {mode} + D3, halo={halo}",
@@ -154,10 +165,11 @@ def main() -> None:
                 f"{r['energy']:.6f}",
             ]
         )
-    b = spawn(baseline, 1, args.atoms, args.repeats, timeout=3600)[0]
+    b = spawn(baseline, 1, args.atoms, args.repeats, args.channels, args.max_ell, timeout=3600)[0]
     rows.append(["MACECalculator + s-dftd3 (summed)", "1 process", b["n"], "-", "-", f"{b['seconds']:.2f}", f"{b['energy']:.6f}"])
     print_table(
-        f"MACE (128x0e+128x1o, 2 layers, r_max 5 Å) + D3(PBE, BJ, {D3_CUTOFF}/{D3_CN_CUTOFF} Å), float64, E+F+stress, 1 thread per rank",
+        f"MACE ({args.channels}x0e+{args.channels}x1o, max_ell {args.max_ell}, 2 layers, r_max 5 Å) "
+        f"+ D3(PBE, BJ, {D3_CUTOFF}/{D3_CN_CUTOFF} Å), float64, E+F+stress, 1 thread per rank",
         ["configuration", "ranks", "atoms", "MACE ghost rows (max rank)", "D3 ghost rows (max rank)", "s / evaluation", "energy / eV"],
         rows,
     )

@@ -172,7 +172,7 @@ class ShardedSystem(Domain):
         flags = self.comm.all_reduce(flags, "max")
         threshold = 0.5 * self.skin if self.skin > 0 else 0.0
         if flags[1] > 0 or flags[0] > threshold:
-            self._repartition(hysteresis=True, width=max(width, self._width if self.plan is not None and flags[1] == 0 else width))
+            self._repartition(hysteresis=True, width=max(width, self._width))  # never narrower than planned before
             return True
         return False
 

@@ -1,0 +1,125 @@
+"""MD throughput of halopipe: NVE steps/s and atom-steps/s on 1 and 2 local ranks.
+
+Systems: Lennard-Jones argon (fcc, 32,000 atoms, cutoff 8.5 Å) and the demo
+composite (ChargeModel -> DSFCoulomb wired + Lennard-Jones; NaCl, 8,000 atoms).
+Each case builds the system, takes ``--warmup`` velocity-Verlet steps (the first
+neighbour lists and halos), then times ``--steps`` steps; the time of the
+slowest rank counts. Neighbour lists use a 1 Å skin, so the timed steps include
+the rebuilds and migrations a real run has.
+
+    python benchmarks/md_throughput.py                 # default: short run, a few minutes on 2 cores
+    python benchmarks/md_throughput.py --steps 50 --nproc 1 2 4 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from halopipe.distributed import DomainConfig  # noqa: E402
+from halopipe.distributed.launch import spawn  # noqa: E402
+
+CASES = {
+    "lj-argon-32k": "32,000 Ar atoms, Lennard-Jones (8.5 Å)",
+    "demo-composite-8k": "8,000 NaCl atoms, ChargeModel->DSFCoulomb (10 Å) + LJ (8 Å)",
+}
+
+
+def build(case: str, device: str):
+    """(pipeline, system) of a benchmark case."""
+    from halopipe import LennardJones, Pipeline
+    from halopipe.config import _generate
+    from halopipe.demo import demo_pipeline, demo_system
+
+    if case == "lj-argon-32k":
+        system = _generate({"type": "argon", "cells": 20, "lattice": 5.26, "rattle": 0.02, "seed": 0}, torch.float64)
+        pipeline = Pipeline([LennardJones(epsilon=0.0104, sigma=3.4, cutoff=8.5)])
+    elif case == "demo-composite-8k":
+        system = demo_system(cells=10)
+        pipeline = demo_pipeline()
+    else:
+        raise ValueError(f"unknown case {case!r}; choose from {list(CASES)}")
+    return pipeline.to(device=device), system.to(device=device)
+
+
+def worker(case: str, steps: int, warmup: int, device: str) -> dict:
+    """One rank: run NVE and time it (every rank calls this)."""
+    from halopipe.dynamics import Simulation, VelocityVerlet
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pipeline, system = build(case, device)
+    integrator = VelocityVerlet(1.0 if case.startswith("demo") else 2.0)
+    sim = Simulation(pipeline, system if rank == 0 else None, integrator, DomainConfig(skin=1.0))
+    sim.set_velocities(300.0, seed=1)
+    sim.run(warmup)
+    rebuilds0 = sim.sharded.rebuilds
+    if dist.is_initialized():
+        dist.barrier()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    sim.run(steps)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = float(sim.sharded.all_reduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), "max")[0])
+    return {
+        "n_atoms": sim.sharded.n_total,
+        "seconds": elapsed,
+        "steps": steps,
+        "rebuilds": sim.sharded.rebuilds - rebuilds0,
+        "world": sim.sharded.world_size,
+    }
+
+
+def measure(case: str, nproc: int, steps: int, warmup: int, device: str) -> dict:
+    if nproc == 1:
+        torch.set_num_threads(1)
+        return worker(case, steps, warmup, device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    return spawn(worker, nproc, case, steps, warmup, device, timeout=3600, backend=backend, threads=1)[0]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per case (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="rank counts (default 1 2)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args(argv)
+    rows = []
+    for case in args.cases:
+        for nproc in args.nproc:
+            r = measure(case, nproc, args.steps, args.warmup, args.device)
+            rate = r["steps"] / r["seconds"]
+            rows.append((case, r["n_atoms"], nproc, rate, rate * r["n_atoms"], r["rebuilds"]))
+            print(f"# {case} on {nproc} rank(s): {rate:.3f} steps/s", file=sys.stderr, flush=True)
+    threads = os.environ.get("OMP_NUM_THREADS", "default")
+    header = ("case", "atoms", "ranks", "steps/s", "atom-steps/s", "rebuilds")
+    print(
+        f"\nNVE throughput, float64, {args.device}, 1 thread per rank (OMP_NUM_THREADS={threads}), {args.steps} timed steps after "
+        f"{args.warmup} warm-up, skin 1 Å"
+    )
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for case, n, p, rate, atom_rate, rb in rows:
+            print(f"| {case} | {n} | {p} | {rate:.3f} | {atom_rate:.3g} | {rb} |")
+    else:
+        print(f"{header[0]:<20}{header[1]:>8}{header[2]:>7}{header[3]:>12}{header[4]:>15}{header[5]:>10}")
+        for case, n, p, rate, atom_rate, rb in rows:
+            print(f"{case:<20}{n:>8}{p:>7}{rate:>12.3f}{atom_rate:>15.3g}{rb:>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
