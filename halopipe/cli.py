@@ -49,13 +49,14 @@ def _under_launcher() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .dynamics.cli_commands import add_demo_parser, add_run_parser, add_verify_parser
+
     parser = argparse.ArgumentParser(prog="halopipe", description="Composed interatomic potentials under domain decomposition.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="evaluate the built-in demo composite (ChargeModel->DSFCoulomb wired + LennardJones)")
-    demo.add_argument("--nproc", type=int, default=1, help="number of local processes (default 1)")
-    demo.add_argument("--atoms", type=int, default=4096, help="approximate number of atoms (default 4096)")
-    demo.add_argument("--repeats", type=int, default=3, help="timed evaluations (best is reported)")
-    demo.set_defaults(func=_cmd_demo)
+    # `demo` is a short MD run; `demo --evaluate` is the single evaluation checked against one process (_cmd_demo).
+    add_demo_parser(sub)
+    add_run_parser(sub)
+    add_verify_parser(sub)
     return parser
 
 

@@ -334,9 +334,16 @@ def _parse_integrator(value) -> dict:
     for name, param in list(signature.parameters.items())[1:]:
         if param.default is inspect.Parameter.empty and name not in section:
             raise ConfigError(f"integrator.{name}", f"missing (required by {kind})")
+    positive = {"timestep", "friction", "tdamp", "fmax", "max_step", "max_timestep", "f_inc", "f_dec", "alpha_start", "f_alpha"}
     for name, v in section.items():
         if v is not None:
-            _number(v, f"integrator.{name}", integer=name in ("seed", "chain", "substeps", "n_min"))
+            _number(
+                v,
+                f"integrator.{name}",
+                integer=name in ("seed", "chain", "substeps", "n_min"),
+                positive=name in positive,
+                minimum=0 if name == "temperature" else None,
+            )
     try:
         cls(**section)
     except ValueError as exc:
