@@ -54,8 +54,11 @@ class Comm:
         self.bytes_sent = 0
         self._tag = 0
         self._calls = 0
+        self.device = torch.device("cpu")
         if self.distributed:
             self.backend = dist.get_backend()
+            if self.backend == "nccl":  # NCCL moves CUDA tensors only
+                self.device = torch.device("cuda", torch.cuda.current_device())
             self.group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout))
             self._store = _default_store()
 
@@ -64,10 +67,10 @@ class Comm:
         """Reduction over ranks (not differentiable); returns a new tensor."""
         if not self.distributed:
             return x.clone()
-        y = x.detach().clone().contiguous()
+        y = x.detach().to(self.device, copy=True).contiguous()
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         self._checked(lambda: dist.all_reduce(y, op=ops[op], group=self.group))
-        return y
+        return y.to(x.device)
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         """Differentiable sum over ranks."""
@@ -106,7 +109,7 @@ class Comm:
             if peer == self.rank:
                 out[peer] = tensor
                 continue
-            t = tensor.contiguous()
+            t = tensor.to(self.device).contiguous()
             self.bytes_sent += t.numel() * t.element_size()
             ops.append(dist.P2POp(dist.isend, t, peer, self.group, self._tag))
         for peer, shape in recv_shapes.items():
@@ -115,7 +118,7 @@ class Comm:
                 continue
             if peer == self.rank:
                 continue
-            buf = torch.empty(shape, dtype=dtype, device=device)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             out[peer] = buf
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag))
         if ops:
@@ -125,19 +128,25 @@ class Comm:
                     req.wait()
 
             self._checked(run)
-        return out
+        return {peer: t.to(device) for peer, t in out.items()}
 
     # ---------------------------------------------------------------- errors
     def agree(self, problem: str | None) -> None:
         """Raise the same error on every rank if any rank has a problem.
 
-        Call it with ``None`` where all is well; it is one small collective.
+        Call it with ``None`` where all is well. It costs one one-element
+        all-reduce; the messages are gathered only when some rank has one.
         """
+        if not self.distributed:
+            if problem:
+                raise ValueError(problem)
+            return
+        flag = self.all_reduce(torch.tensor([1.0 if problem else 0.0]), "max")
+        if float(flag[0]) == 0.0:
+            return
         problems = self.all_gather_object(problem)
-        bad = [(r, p) for r, p in enumerate(problems) if p]
-        if bad:
-            text = "; ".join(f"rank {r}: {p}" for r, p in bad)
-            raise DistributedError(text) if self.distributed else ValueError(bad[0][1])
+        text = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+        raise DistributedError(text)
 
     @contextlib.contextmanager
     def guard(self, what: str):
