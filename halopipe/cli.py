@@ -20,8 +20,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     system = demo_system(cells=_cells(args.atoms))
     pipeline = demo_pipeline()
     print(f"halopipe demo: {system.n_atoms} atoms (NaCl melt-like box), 1 process, float64")
+    first = time_call(lambda: pipeline(system, stress=True), 1)  # builds the ghost plan and neighbour lists
     out = pipeline(system, stress=True)
-    seconds = time_call(lambda: pipeline(system, stress=True), args.repeats)
+    seconds = time_call(lambda: pipeline(system, stress=True), args.repeats)  # plan and lists reused, as in MD within the skin
     models = [s.model for g in pipeline.groups for s in g.steps]
     names = [n for row in pipeline.names for n in row]
     print(f"{'model':<14}{'cutoff/Å':>10}{'energy/eV':>18}")
@@ -32,7 +33,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(f"pressure: {float(p):.4f} GPa;  charges sum to {float(out['charges'].sum()):.2e} e")
     analytic, numeric = directional_force_check(pipeline, system)
     print(f"force check: -F.d = {analytic:.9f}, finite difference dE/dd = {numeric:.9f} (diff {abs(analytic - numeric):.2e} eV/Å)")
-    print(f"time per evaluation (energy+forces+stress): {seconds * 1e3:.1f} ms")
+    print(f"time per evaluation (energy+forces+stress): {first * 1e3:.1f} ms building plan and lists, {seconds * 1e3:.1f} ms reusing them")
     return 0
 
 
