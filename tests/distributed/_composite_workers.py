@@ -85,3 +85,20 @@ def mace_cases(modes: list[str]) -> list:
         both = Pipeline([Group([Step(MACE(module)), Step(DFTD3("pbe", cutoff=9.0, cn_cutoff=6.0))], autograd=True)])
         results.append(compare(system, both))
     return results
+
+
+# --------------------------------------------------------------------------- bring your own model
+def adapter_cases(kinds: list[str]) -> list:
+    """The plain-torch example network through TorchModel, per-layer refresh and wide halo."""
+    from halopipe import TorchModel
+
+    from ..models.test_adapter import MessagePassing, make_atoms
+
+    net = MessagePassing(cutoff=3.5, features=8, layers=3).double()
+    results = []
+    for kind in kinds:
+        system = System.from_ase(make_atoms(kind))
+        for per_layer in (True, False):
+            model = TorchModel(net, cutoff=net.cutoff, layers=net.n_layers, per_layer=per_layer)
+            results.append(compare(system, Pipeline([model])))
+    return results
