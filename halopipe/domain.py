@@ -78,7 +78,12 @@ class Domain:
             )
         )
 
-    def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
+    def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
+        """Ghost rows within ``width`` of a per-atom tensor, from their owners (differentiable).
+
+        ``known``: the forward values if already fetched (then only the
+        backward communicates).
+        """
         raise NotImplementedError
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
@@ -183,8 +188,8 @@ class LocalDomain(Domain):
         self._width = float(width)
         self.plan_version += 1
 
-    def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:
-        return _IndexGather.apply(x, self.ghost_atom[: self.ghost_count(width)])
+    def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:
+        return _IndexGather.apply(x, self.ghost_atom[: self.ghost_count(width)])  # a local gather: nothing to save
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         out = x_ghost.new_zeros((self.n_owned,) + x_ghost.shape[1:])

@@ -210,14 +210,21 @@ def build_view(
     fields: dict[str, torch.Tensor],
     pair_cache: dict,
     key,
+    ghost_positions: torch.Tensor | None = None,
 ) -> LocalView:
-    """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs."""
+    """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs.
+
+    ``ghost_positions`` are the owners' positions of all planned ghost rows,
+    fetched once per evaluation; the view reuses them instead of exchanging
+    positions again (its backward still sends ghost gradients home).
+    """
     model = step.model
     n = domain.n_owned
     n_ghost = domain.ghost_count(width)
     ghost_shift = domain.ghost_shift[:n_ghost].to(positions.dtype)
     owned = positions + domain.owned_shift.to(positions.dtype) @ cell
-    rows = torch.cat([owned, domain.ghost_rows(positions, width) + ghost_shift @ cell])
+    known = None if ghost_positions is None else ghost_positions[:n_ghost]
+    rows = torch.cat([owned, domain.ghost_rows(positions, width, known=known) + ghost_shift @ cell])
 
     def refresh(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, domain.ghost_rows(x, width)])
@@ -276,9 +283,12 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     local_energy: list[torch.Tensor] = []
     produced: dict[str, torch.Tensor] = {}
     static = dict(domain.fields)
+    # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
+    widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
+    ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
     for g, group in enumerate(pipeline.groups):
         run = _run_autograd_group if group.autograd else _run_direct_group
-        f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of)
+        f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of, ghost_positions)
         forces += f
         virial += w
         local_energy.extend(e)
@@ -297,7 +307,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     return result
 
 
-def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of):
+def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
     eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
@@ -311,7 +321,7 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     shares = []
     for k, step in enumerate(group.steps):
-        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, (g, k))
+        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, (g, k), ghost_positions)
         out = step.model(view)
         share = out.energies.sum()
         energy = energy + share
@@ -328,7 +338,7 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     return forces.detach(), virial.detach(), shares, made
 
 
-def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of):
+def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     n = domain.n_owned
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
@@ -337,7 +347,7 @@ def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress
     with torch.no_grad():
         for k, step in enumerate(group.steps):
             width = halo_of(step.model)
-            view = build_view(domain, step, width, positions, cell, static, pair_cache, (g, k))
+            view = build_view(domain, step, width, positions, cell, static, pair_cache, (g, k), ghost_positions)
             out = step.model(view, direct=True)
             if out.forces is None or out.virial is None:
                 raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")

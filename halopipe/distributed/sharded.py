@@ -221,8 +221,8 @@ class ShardedSystem(Domain):
     def ghost_count(self, width: float) -> int:
         return self.plan.counts(self._limit(width))[2]
 
-    def ghost_rows(self, x: torch.Tensor, width: float) -> torch.Tensor:
-        return HaloGather.apply(x, self.plan, self._limit(width))
+    def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:
+        return HaloGather.apply(x, self.plan, self._limit(width), known)
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width))
