@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -161,10 +160,10 @@ class Comm:
         key = f"halopipe/{self._serial}/{self._calls}"
         try:
             yield
-        except DistributedError:
-            raise
         except _PeerFailure as failure:
             raise self._peer_error(key, what) from failure.__cause__
+        except DistributedError:
+            raise
         except Exception as exc:
             if not self.distributed:
                 raise
@@ -173,19 +172,18 @@ class Comm:
             message = f"rank {self.rank} failed during {what}: {type(exc).__name__}: {exc}"
             self._store.set(f"{key}/error/{self.rank}", message)
             self._wait_for_acks(key)
-            raise DistributedError(message + "\n" + "".join(traceback.format_exception_only(type(exc), exc)).strip()) from exc
+            raise DistributedError(message) from exc
 
     def _checked(self, fn) -> None:
         try:
             fn()
         except Exception as exc:  # a peer failed or timed out
-            raise _PeerFailure() from exc
+            raise _PeerFailure(f"rank {self.rank}: communication with its peers failed: {exc}") from exc
 
     def _someone_reported(self, key: str) -> bool:
+        """Has another rank already written its error for this guarded call?"""
         with contextlib.suppress(Exception):
-            return bool(self._store.check([f"{key}/error/{r}" for r in range(self.size) if r != self.rank][:1])) or any(
-                self._store.check([f"{key}/error/{r}"]) for r in range(self.size) if r != self.rank
-            )
+            return any(self._store.check([f"{key}/error/{r}"]) for r in range(self.size) if r != self.rank)
         return False
 
     def _peer_error(self, key: str, what: str) -> DistributedError:
@@ -220,8 +218,8 @@ class Comm:
             self.group = None
 
 
-class _PeerFailure(Exception):
-    """A communication call failed; the cause is looked up in the store."""
+class _PeerFailure(DistributedError):
+    """A communication call failed; inside :meth:`Comm.guard` the cause is looked up in the store."""
 
 
 def _default_store():
