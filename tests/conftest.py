@@ -36,6 +36,25 @@ def cluster(n: int = 30, seed: int = 0, species=(11, 17), box: float = 9.0, char
     return System(positions=torch.tensor(np.array(pts)), numbers=torch.tensor(numbers), fields=fields)
 
 
+def random_ionic_cell(n_cells: int = 2, seed: int = 0, net_charge: float = 0.4, spacing: float = 2.6) -> System:
+    """Jittered simple-cubic lattice of random charges (net ``net_charge``) in a strained (triclinic) cell."""
+    rng = np.random.default_rng(seed)
+    grid = np.stack(np.meshgrid(*[np.arange(n_cells)] * 3, indexing="ij"), -1).reshape(-1, 3).astype(float)
+    frac = (grid + 0.5 + rng.uniform(-0.2, 0.2, grid.shape)) / n_cells
+    cell = spacing * n_cells * (np.eye(3) + rng.uniform(-0.12, 0.12, (3, 3)))
+    n = len(frac)
+    q = rng.normal(size=n)
+    q += (net_charge - q.sum()) / n
+    numbers = rng.choice([11, 17], size=n)
+    return System(
+        positions=torch.tensor(frac @ cell),
+        numbers=torch.tensor(numbers),
+        cell=torch.tensor(cell),
+        pbc=[True] * 3,
+        fields={"charges": torch.tensor(q)},
+    )
+
+
 @pytest.fixture
 def nacl() -> System:
     return triclinic_nacl()

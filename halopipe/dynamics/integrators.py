@@ -165,6 +165,14 @@ def _check_positive(owner: str, **values) -> None:
             raise ValueError(f"{owner}: {key} must be a positive number, got {value!r}")
 
 
+def _verlet_step(md: MDState, dt: float) -> None:
+    """Kick (dt/2), drift (dt), new forces, kick (dt/2): the velocity-Verlet core shared by NVE and Nosé-Hoover."""
+    md.velocities = md.velocities + 0.5 * dt * md.accelerations()
+    md.positions = md.positions + dt * md.velocities
+    md.compute()
+    md.velocities = md.velocities + 0.5 * dt * md.accelerations()
+
+
 class VelocityVerlet(Integrator):
     """Velocity Verlet (NVE).
 
@@ -176,12 +184,7 @@ class VelocityVerlet(Integrator):
     name = "velocity Verlet (NVE)"
 
     def step(self, md: MDState) -> None:
-        half = 0.5 * self.timestep
-        v = md.velocities + half * md.accelerations()
-        md.velocities = v
-        md.positions = md.positions + self.timestep * v
-        md.compute()
-        md.velocities = md.velocities + half * md.accelerations()
+        _verlet_step(md, self.timestep)
 
 
 class Langevin(Integrator):
@@ -309,12 +312,7 @@ class NoseHooverChain(Integrator):
 
     def step(self, md: MDState) -> None:
         self._half_chain(md)
-        half = 0.5 * self.timestep
-        v = md.velocities + half * md.accelerations()
-        md.velocities = v
-        md.positions = md.positions + self.timestep * v
-        md.compute()
-        md.velocities = md.velocities + half * md.accelerations()
+        _verlet_step(md, self.timestep)
         self._half_chain(md)
 
     def extra_energy(self, md: MDState) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from torchpme.lib import MeshInterpolator
@@ -19,26 +18,9 @@ from halopipe.pipeline import Group, Pipeline, Step
 from halopipe.system import System
 from halopipe.testing import check_model, finite_difference_forces, finite_difference_stress
 
+from ..conftest import random_ionic_cell
+
 pytestmark = pytest.mark.timeout(180)
-
-
-def random_ionic_cell(n_cells: int = 2, seed: int = 0, net_charge: float = 0.4, spacing: float = 2.6) -> System:
-    """Jittered simple-cubic lattice of random charges in a strained (triclinic) cell."""
-    rng = np.random.default_rng(seed)
-    grid = np.stack(np.meshgrid(*[np.arange(n_cells)] * 3, indexing="ij"), -1).reshape(-1, 3).astype(float)
-    frac = (grid + 0.5 + rng.uniform(-0.2, 0.2, grid.shape)) / n_cells
-    cell = spacing * n_cells * (np.eye(3) + rng.uniform(-0.12, 0.12, (3, 3)))
-    n = len(frac)
-    q = rng.normal(size=n)
-    q += (net_charge - q.sum()) / n
-    numbers = rng.choice([11, 17], size=n)
-    return System(
-        positions=torch.tensor(frac @ cell),
-        numbers=torch.tensor(numbers),
-        cell=torch.tensor(cell),
-        pbc=[True] * 3,
-        fields={"charges": torch.tensor(q)},
-    )
 
 
 def evaluate(model, system: System, stress: bool = False) -> dict:
