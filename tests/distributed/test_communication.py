@@ -24,7 +24,7 @@ def test_exception_on_one_rank_ends_every_rank_with_its_cause():
     for m in messages:
         assert "rank 1" in m and "model exploded on purpose" in m, m
         seconds = float(m.rsplit("after ", 1)[1].split(" s]")[0])
-        assert seconds < 30, m
+        assert seconds < 15, m  # configured timeout 5 s, plus the time to read the store
 
 
 @pytest.mark.timeout(120)
