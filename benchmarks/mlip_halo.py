@@ -150,9 +150,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--channels", type=int, default=128, help="multiplicity of 0e and 1o hidden irreps (128: realistic size)")
     parser.add_argument("--max-ell", type=int, default=3, help="spherical harmonics order of the edges")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["layer:per_model", "wide:per_model", "layer:max"],
+        help="MACE halo mode and pipeline halo of each distributed row, as mode:halo",
+    )
     args = parser.parse_args()
     rows = []
-    for mode, halo in (("layer", "per_model"), ("wide", "per_model"), ("layer", "max")):
+    for mode, halo in (tuple(c.split(":")) for c in args.configs):
         r = spawn(distributed_case, args.nproc, args.atoms, args.repeats, mode, halo, args.channels, args.max_ell, timeout=3600)[0]
         rows.append(
             [
