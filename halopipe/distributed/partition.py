@@ -129,10 +129,6 @@ class Partition:
         _, py, pz = self.grid
         return brick_index[..., 0] * py * pz + brick_index[..., 1] * pz + brick_index[..., 2]
 
-    def brick_of_rank(self, rank: int) -> tuple[int, int, int]:
-        _, py, pz = self.grid
-        return rank // (py * pz), (rank // pz) % py, rank % pz
-
     def wrap(self, frac: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Wrap periodic fractional coordinates into [0, 1); returns (wrapped, integer image)."""
         image = torch.where(self.geometry.pbc.to(frac.device), torch.floor(frac), torch.zeros_like(frac))
