@@ -121,10 +121,9 @@ class Simulation:
                 system.schema["velocities"] = ((3,), system.positions.dtype)
                 system.fields["velocities"] = torch.zeros_like(system.positions)
             return system
-        if _rank() == 0:
-            if not isinstance(system, System):
-                raise TypeError(f"Simulation: expected a halopipe.System on rank 0, got {type(system).__name__}")
+        if _rank() == 0 and isinstance(system, System):
             system = _with_velocities(system)
+        # scatter checks the input on every rank and agrees, so a bad system on rank 0 ends all ranks with one error.
         return ShardedSystem.scatter(system if _rank() == 0 else None, self.config)
 
     # ------------------------------------------------------------ restart
