@@ -14,11 +14,25 @@ halo exchange between ranks, so pipelines and models run unchanged on both.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .neighbors import max_displacement
 
-__all__ = ["Domain", "LocalDomain", "skin_margin"]
+__all__ = ["Domain", "LocalDomain", "skin_margin", "next_plan_version"]
+
+_plan_versions = itertools.count(1)
+
+
+def next_plan_version() -> int:
+    """A plan identifier unique in this process.
+
+    Caches of pairs and lists key on it: a counter per domain would repeat
+    across domains (a new system, or the same one scattered again), and a
+    cache keyed on it would hand one system's pairs to another.
+    """
+    return next(_plan_versions)
 
 
 def skin_margin(skin: float) -> float:
@@ -41,7 +55,8 @@ class Domain:
     cell, pbc : global cell and periodicity.
     n_total : atoms in the whole system.
     skin : neighbour-list skin, Å.
-    plan_version : increases at every ghost-plan rebuild (caches key on it).
+    plan_version : identifies the current ghost plan, unique across all domains
+        of the process (caches key on it); 0 before the first plan.
     owned_shift : (n_owned, 3) integer lattice shift that places each owned
         atom's row inside its brick (rows sit at ``r + owned_shift @ cell``).
     ghost_numbers, ghost_shift, ghost_ids, ghost_distance : ghost rows at the
@@ -186,7 +201,7 @@ class LocalDomain(Domain):
         self.ghost_ids = self.ids[self.ghost_atom]
         self._ref = self.positions.detach().clone()
         self._width = float(width)
-        self.plan_version += 1
+        self.plan_version = next_plan_version()
 
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:
         return _IndexGather.apply(x, self.ghost_atom[: self.ghost_count(width)])  # a local gather: nothing to save

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..domain import Domain, skin_margin
+from ..domain import Domain, next_plan_version, skin_margin
 from ..neighbors import max_displacement
 from ..system import System
 from .comm import Comm
@@ -212,7 +212,7 @@ class ShardedSystem(Domain):
         self.ghost_shift, self.ghost_distance = self.plan.ghost_shift, self.plan.ghost_distance
         self._ref = self.positions.detach().clone()
         self._width = float(width)
-        self.plan_version += 1
+        self.plan_version = next_plan_version()
         self.rebuilds += 1
 
     def _limit(self, width: float) -> float:

@@ -201,3 +201,39 @@ def failure(kind: str) -> str:
     except (DistributedError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc} [after {time.monotonic() - t0:.1f} s]"
     return "no error"
+
+
+def reuse_frames(skin: float = 0.5) -> list[System]:
+    """A, A rattled beyond the skin, and B with another atom count: frames one pipeline object evaluates in a row."""
+    a = make_system("triclinic")
+    moved = a.positions + torch.from_numpy(np.random.default_rng(1).normal(scale=skin, size=tuple(a.positions.shape)))
+    rattled = System(positions=moved, numbers=a.numbers, cell=a.cell, pbc=a.pbc, fields=dict(a.fields))
+    return [a, rattled, make_system("small_box"), a]
+
+
+def reuse_case(skin: float = 0.5) -> list[dict] | None:
+    """Each frame freshly scattered and evaluated by one reused pipeline object and by a fresh one; differences on rank 0."""
+    config = DomainConfig(skin=skin, timeout=60)
+    reused_dp, reused_single = DistributedPipeline(make_pipeline("all", skin), config), make_pipeline("all", skin)
+    diffs = []
+    for frame in reuse_frames(skin):
+        results = []
+        for dp in (reused_dp, DistributedPipeline(make_pipeline("all", skin), config)):
+            sharded = ShardedSystem.scatter(frame if rank() == 0 else None, config)
+            out = dp(sharded, stress=True)
+            results.append((float(out["energy"]), sharded.gather(out["forces"]), sharded.gather(out["charges"])))
+        if rank() == 0:
+            single = [reused_single(frame, stress=True), make_pipeline("all", skin)(frame, stress=True)]
+            (e_reused, f_reused, q_reused), (e_fresh, f_fresh, q_fresh) = results
+            diffs.append(
+                {
+                    "n_atoms": frame.n_atoms,
+                    "distributed_energy": abs(e_reused - e_fresh) / abs(e_fresh),
+                    "distributed_force": float((f_reused - f_fresh).abs().max()),
+                    "distributed_charges": float((q_reused - q_fresh).abs().max()),
+                    "single_energy": abs(float(single[0]["energy"] - single[1]["energy"])) / abs(float(single[1]["energy"])),
+                    "single_force": float((single[0]["forces"] - single[1]["forces"]).abs().max()),
+                    "vs_single_force": float((f_fresh - single[1]["forces"]).abs().max()),
+                }
+            )
+    return diffs if rank() == 0 else None
