@@ -1,19 +1,22 @@
-"""``halopipe run`` / ``verify`` / ``demo`` end to end (2 spawned ranks), through the argparse entry points."""
+"""``halopipe run`` / ``verify`` / ``demo`` end to end (2 spawned ranks at most), through :func:`halopipe.cli.main`."""
 
 from __future__ import annotations
 
-import argparse
 import csv
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from halopipe.config import parse_config
+from halopipe.cli import main
+from halopipe.config import load_config, parse_config
 from halopipe.dynamics import load_checkpoint
-from halopipe.dynamics.cli_commands import add_demo_parser, add_run_parser, add_verify_parser
 from halopipe.dynamics.reporters import THERMO_COLUMNS
+
+from ._helpers import ROOT, halopipe
+from ._helpers import write_config as write_tiny
 
 CONFIG = {
     "name": "tiny",
@@ -28,11 +31,7 @@ CONFIG = {
 
 
 def cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="halopipe")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_run_parser(sub), add_verify_parser(sub), add_demo_parser(sub)
-    args = parser.parse_args(list(argv))
-    return args.func(args)
+    return main(list(argv))
 
 
 def write_config(path: Path, **changes) -> Path:
@@ -69,7 +68,7 @@ def test_run_writes_outputs_and_restart_continues_exactly(tmp_path, capfd):
 
     # Continue to 50 steps, on one rank; the log must equal that of an uninterrupted 50-step run.
     assert cli("run", str(cfg), "--output", str(out), "--restart", "--steps", "50", "--nproc", "1") == 0
-    assert "continuing from step 30" in capfd.readouterr().out  # one rank: printed by this process
+    assert "continuing from step 30" in capfd.readouterr().err  # a setup note
     straight = tmp_path / "straight"
     assert cli("run", str(cfg), "--output", str(straight), "--steps", "50", "--nproc", "1") == 0
     resumed, reference = rows(out / "thermo.csv"), rows(straight / "thermo.csv")
@@ -123,6 +122,15 @@ def test_demo_is_a_short_md_run(tmp_path, capfd):
     assert (tmp_path / "demo" / "thermo.png").stat().st_size > 1000
 
 
+def test_demo_and_the_demo_example_use_different_run_directories(tmp_path, monkeypatch):
+    from halopipe.cli.demo import DEMO_CONFIG
+
+    monkeypatch.chdir(tmp_path)
+    example = load_config(ROOT / "examples" / "demo.yaml", check_system=False).outputs["directory"]
+    builtin = parse_config(DEMO_CONFIG, check_system=False).outputs["directory"]
+    assert Path(example).parent == Path(builtin).parent == tmp_path / "runs" and example != builtin
+
+
 def test_config_errors_exit_2_naming_the_key(tmp_path, capfd):
     cfg = write_config(tmp_path / "bad.yaml", integrator={"type": "langevin", "timestep": 2.0})
     assert cli("run", str(cfg)) == 2
@@ -132,16 +140,46 @@ def test_config_errors_exit_2_naming_the_key(tmp_path, capfd):
     assert "no checkpoint.pt" in capfd.readouterr().err
 
 
-def test_progress_bar_reports_rate_and_eta():
-    import io
+@pytest.mark.timeout(60)
+def test_restart_of_a_finished_run_says_nothing_to_do(tmp_path, capfd):
+    cfg = write_tiny(tmp_path / "tiny.yaml")
+    assert cli("run", str(cfg), "--output", str(tmp_path / "out")) == 0
+    capfd.readouterr()
+    assert cli("run", str(cfg), "--output", str(tmp_path / "out"), "--restart") == 0
+    out = capfd.readouterr().out
+    assert "nothing to do; raise --steps" in out and "nan" not in out
+    assert load_checkpoint(tmp_path / "out" / "checkpoint.pt")["step"] == 6  # untouched
 
-    from halopipe.dynamics import ProgressBar, Simulation, VelocityVerlet
 
-    from ._workers import argon, lj
+@pytest.mark.timeout(60)
+def test_progress_rate_agrees_with_the_summary(tmp_path, capfd):
+    cfg = write_tiny(tmp_path / "tiny.yaml", steps=40, outputs={"progress": True, "plot": False, "trajectory_every": 0})
+    assert cli("run", str(cfg), "--output", str(tmp_path / "out")) == 0
+    captured = capfd.readouterr()
+    bar = re.findall(r"step 40/40 100%.*?([0-9.]+) steps/s", captured.err)
+    summary = re.findall(r"40 steps in [0-9.]+ s, ([0-9.]+) steps/s", captured.out)
+    assert bar and summary and bar[-1] == summary[0]
 
-    stream = io.StringIO()
-    Simulation(lj(), argon(cells=2), VelocityVerlet(2.0), reporters=[ProgressBar(stream=stream)]).run(20)
-    lines = stream.getvalue().splitlines()
-    assert lines[-2].startswith("step 20/20") and "100%" in lines[-2]
-    assert all(word in lines[-2] for word in ("steps/s", "ns/day", "ETA"))
-    assert len(lines) <= 13  # not a tty: about one line per 10 % of the run, plus the summary
+
+@pytest.mark.timeout(60)
+def test_run_shows_setup_progress_before_the_first_step(tmp_path):
+    cfg = write_tiny(tmp_path / "tiny.yaml", outputs={"progress": True, "plot": False, "trajectory_every": 0})
+    done = halopipe("run", str(cfg), "--output", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    first_bar = next(k for k, line in enumerate(lines) if line.startswith("step "))  # splitlines also splits tqdm's \r
+    notes = [line for line in lines[:first_bar] if re.match(r"\[\s*[0-9.]+ s\] ", line)]
+    assert [n.split("] ", 1)[1].split()[0] for n in notes][:3] == ["reading", "building", "scattering"]
+    assert float(notes[0][1:].split()[0]) < 5.0  # generous: the first line is printed before torch is imported
+
+
+def test_nproc_above_the_core_count_warns(capsys):
+    import os
+
+    from halopipe.cli.run import check_cores
+
+    cores = len(os.sched_getaffinity(0))
+    check_cores("halopipe run", cores)
+    assert capsys.readouterr().err == ""
+    check_cores("halopipe run", cores + 1)
+    assert f"--nproc {cores + 1} exceeds the {cores} CPU core(s)" in capsys.readouterr().err
