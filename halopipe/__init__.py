@@ -36,7 +36,29 @@ _EXPORTS = {
     "DistributedError": "halopipe.distributed",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "System",
+    "Model",
+    "ModelOutput",
+    "LocalView",
+    "LennardJones",
+    "DSFCoulomb",
+    "ChargeModel",
+    "DFTD3",
+    "Ewald",
+    "PME",
+    "MACE",
+    "TorchModel",
+    "Pipeline",
+    "Group",
+    "Step",
+    "DomainConfig",
+    "ShardedSystem",
+    "DistributedPipeline",
+    "DistributedModel",
+    "DistributedError",
+    "__version__",
+]
 
 if TYPE_CHECKING:  # static tools see the eager imports
     from .distributed import DistributedError, DistributedModel, DistributedPipeline, DomainConfig, ShardedSystem

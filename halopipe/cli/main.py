@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run,verify,schema}")
     common = [_common()]
 
-    p = sub.add_parser("demo", parents=common, help="a short MD run of the demo composite on 2 processes (--evaluate: one checked evaluation)")
+    p = sub.add_parser(
+        "demo", parents=common, help="a short MD run of the demo composite on 2 processes (--evaluate: one checked evaluation)"
+    )
     p.add_argument("--nproc", type=_positive_int, default=2, help="local processes (default 2)")
     p.add_argument("--atoms", type=_positive_int, default=216, help="approximate number of atoms (default 216)")
     p.add_argument("--steps", type=_steps, default=300, help="MD steps (default 300)")
@@ -145,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", parents=common, help="evaluate the configured composite distributed and single-process and compare")
     p.add_argument("config", help="YAML configuration file")
-    p.add_argument("--nproc", type=_positive_int, default=None, help="ranks of the distributed evaluation (default: the config's, at least 2)")
+    p.add_argument(
+        "--nproc", type=_positive_int, default=None, help="ranks of the distributed evaluation (default: the config's, at least 2)"
+    )
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("schema", parents=common, help="print the JSON schema of configuration files (for editors)")

@@ -245,7 +245,9 @@ def _run_under_runner(config: RunConfig, base: str, restart: bool, allow_changed
     return 0
 
 
-def run_config(config: RunConfig, nproc: int | None = None, restart: bool = False, output: str | None = None, allow_changed: bool = False) -> int:
+def run_config(
+    config: RunConfig, nproc: int | None = None, restart: bool = False, output: str | None = None, allow_changed: bool = False
+) -> int:
     """Run a validated configuration: here (1 rank), on ``nproc`` spawned ranks, or under torchrun."""
     base = output or config.outputs["directory"]
     if launched_by_runner():

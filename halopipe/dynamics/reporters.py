@@ -26,7 +26,17 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["Reporter", "ProgressBar", "ThermoLog", "Trajectory", "EnergyPlot", "THERMO_COLUMNS", "read_thermo", "thermo_figure", "plot_thermo"]
+__all__ = [
+    "Reporter",
+    "ProgressBar",
+    "ThermoLog",
+    "Trajectory",
+    "EnergyPlot",
+    "THERMO_COLUMNS",
+    "read_thermo",
+    "thermo_figure",
+    "plot_thermo",
+]
 
 THERMO_COLUMNS = ("step", "time_fs", "potential_eV", "kinetic_eV", "total_eV", "conserved_eV", "temperature_K", "pressure_GPa")
 _THERMO_KEYS = ("step", "time", "potential", "kinetic", "total", "conserved", "temperature", "pressure")

@@ -35,9 +35,7 @@ def write_config(path: Path, **changes) -> Path:
 def halopipe(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``halopipe ARGS`` (this checkout's code) in a fresh process; stdout and stderr captured."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "halopipe.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "halopipe.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 class FailingLJ(LennardJones):

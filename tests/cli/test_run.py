@@ -183,3 +183,35 @@ def test_nproc_above_the_core_count_warns(capsys):
     assert capsys.readouterr().err == ""
     check_cores("halopipe run", cores + 1)
     assert f"--nproc {cores + 1} exceeds the {cores} CPU core(s)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(90)
+def test_restart_with_changed_physics_is_refused_unless_allowed_and_logged(tmp_path, capfd):
+    out = tmp_path / "out"
+    assert cli("run", str(write_tiny(tmp_path / "tiny.yaml")), "--output", str(out)) == 0
+    bigger = write_tiny(tmp_path / "bigger.yaml", system={"generator": {"type": "argon", "cells": 3, "rattle": 0.05}})
+    stronger = write_tiny(tmp_path / "stronger.yaml", models={"lj": {"type": "LennardJones", "epsilon": 0.02, "sigma": 3.4, "cutoff": 6.0}})
+    capfd.readouterr()
+    assert cli("run", str(bigger), "--output", str(out), "--restart", "--steps", "8") == 2
+    err = capfd.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"halopipe run: error: {out / 'checkpoint.pt'} was written with other physics: ")
+    assert "system.n_atoms: 32 -> 108" in err and "system.cell: " in err
+    assert "--allow-changed" in err
+    assert cli("run", str(stronger), "--output", str(out), "--restart", "--steps", "8") == 2
+    assert "models.lj.epsilon: tensor values changed" in capfd.readouterr().err
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 6  # neither refused restart ran
+    assert cli("run", str(stronger), "--output", str(out), "--restart", "--allow-changed", "--steps", "8") == 0
+    assert "models.lj.epsilon: tensor values changed" in (out / "changes.log").read_text()
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 8
+    assert cli("run", str(stronger), "--output", str(out), "--restart", "--steps", "10") == 0  # the new physics is now the checkpoint's
+
+
+@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 cut short", b"\x80\x04garbage", b"not a checkpoint at all\n"])
+def test_restart_from_an_unreadable_checkpoint_gives_one_line_naming_it(tmp_path, capfd, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoint.pt").write_bytes(content)
+    assert cli("run", str(write_tiny(tmp_path / "tiny.yaml")), "--output", str(out), "--restart") == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if not line.startswith("[")]
+    assert len(errors) == 1 and errors[0].startswith(f"halopipe run: error: checkpoint {out / 'checkpoint.pt'} ")
+    assert "pickl" not in errors[0].lower() and "weights_only" not in errors[0]

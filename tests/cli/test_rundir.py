@@ -65,4 +65,8 @@ def test_restart_refuses_a_run_directory_held_by_a_live_run(tmp_path):
     with _held(base) as proc:
         done = halopipe("run", str(cfg), "--output", str(base), "--restart", "--steps", "8", cwd=tmp_path, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(f"halopipe run: error: run directory {base} is in use by a live run (pid {proc.pid}")
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"halopipe run: error: run directory {base} is in use by a live run (pid {proc.pid}")
+    )
