@@ -27,14 +27,18 @@ def clock() -> float:
 
 
 def _rank() -> int:
-    import torch.distributed as dist
+    """This process's rank: from the process group once it exists, else from torchrun's environment, else 0."""
+    if "torch" in sys.modules:  # never import torch just to ask
+        import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
 
 
 def note(message: str) -> None:
     """A setup line on stderr (rank 0), stamped with seconds since the command started."""
-    if "torch" in sys.modules and _rank() != 0:
+    if _rank() != 0:
         return
     print(f"[{time.time() - _clock['t0']:6.1f} s] {message}", file=sys.stderr, flush=True)
 
@@ -64,7 +68,7 @@ def failure_message(prog: str, exc: BaseException) -> str:
     if launch is not None and isinstance(exc, launch.SpawnError):
         rank, message = _rank_failure(exc)
     else:
-        rank = int(os.environ["RANK"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None  # torchrun
+        rank = _rank() if "WORLD_SIZE" in os.environ else None  # under torchrun every rank reports
         message = str(exc) if isinstance(exc, (ValueError, OSError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
     where = f" on rank {rank}" if rank is not None else ""
     return f"{prog}: error{where}: {message}"
