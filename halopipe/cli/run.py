@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -224,14 +224,15 @@ def _run_under_runner(config: RunConfig, base: str, restart: bool, allow_changed
     """Under torchrun/srun: rank 0 claims the directory and checks; every rank learns the outcome, then all run."""
     init_from_environment()
     try:
-        with claim_run_directory(base, restart) if _rank() == 0 else nullcontext(None) as directory:
+        with ExitStack() as held:
             failure, outcome = None, [None, False, False]  # directory, proceed, failed
             if _rank() == 0:
                 try:
+                    directory = held.enter_context(claim_run_directory(base, restart))
                     outcome = [str(directory), _prepare(config, directory, restart, allow_changed), False]
                 except Exception as exc:
                     failure, outcome = exc, [None, False, True]
-            dist.broadcast_object_list(outcome, src=0)
+            dist.broadcast_object_list(outcome, src=0)  # no rank waits on a rank 0 that failed
             if failure is not None:
                 raise failure
             if outcome[2]:

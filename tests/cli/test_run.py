@@ -215,3 +215,27 @@ def test_restart_from_an_unreadable_checkpoint_gives_one_line_naming_it(tmp_path
     errors = [line for line in capfd.readouterr().err.splitlines() if not line.startswith("[")]
     assert len(errors) == 1 and errors[0].startswith(f"halopipe run: error: checkpoint {out / 'checkpoint.pt'} ")
     assert "pickl" not in errors[0].lower() and "weights_only" not in errors[0]
+
+
+@pytest.mark.timeout(150)
+def test_run_under_torchrun_and_a_busy_directory_there(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from halopipe.cli.rundir import LOCK
+
+    cfg, out = write_tiny(tmp_path / "tiny.yaml"), tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def torchrun(*args):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "halopipe.cli"]
+        return subprocess.run([*command, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=70)
+
+    done = torchrun("run", str(cfg), "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "tiny: 32 atoms on 2 rank(s)" in done.stdout and load_checkpoint(out / "checkpoint.pt")["step"] == 6
+    (out / LOCK).write_text(f"{os.getpid()} {socket.gethostname()}\n")  # this live test process holds it
+    done = torchrun("run", str(cfg), "--output", str(out), "--restart", "--steps", "8")
+    assert done.returncode != 0 and f"run directory {out} is in use by a live run (pid {os.getpid()}" in done.stderr
