@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import math
 import sys
+import time
 from pathlib import Path
 
 __all__ = [
@@ -120,6 +121,7 @@ class ProgressBar(Reporter):
             return  # the initial report during setup: the bar starts with the loop
         if self._bar is None:
             self._bar = self._open(sim)
+            self._bar.start_t -= time.perf_counter() - sim.timing.started  # its clock starts with the loop, as the rate's
         self._show(sim)
 
     def finish(self, sim) -> None:
