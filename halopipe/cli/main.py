@@ -48,7 +48,8 @@ def _check_not_structure(path: str) -> None:
     from pathlib import Path
 
     p = Path(path)
-    if p.suffix.lower() in _STRUCTURE_SUFFIXES or p.name.startswith(_STRUCTURE_NAMES):
+    suffix = p.suffix.lower()
+    if suffix in _STRUCTURE_SUFFIXES or (suffix not in (".yaml", ".yml") and p.name.startswith(_STRUCTURE_NAMES)):
         raise NotAConfiguration(
             f"{path} looks like a structure file, not a YAML configuration; write a configuration that names it "
             f"(system: {{file: {p.name}}}) and pass that (see examples/)"
