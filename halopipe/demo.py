@@ -1,4 +1,7 @@
-"""The built-in demo: a molten-salt-like NaCl box and its composite potential.
+"""The demo system and composite: a molten-salt-like NaCl box and its composite potential.
+
+Used by the ``nacl`` generator of run configurations, by ``halopipe demo``
+(:mod:`halopipe.cli.demo`), by tests and by benchmarks.
 
 The composite is the one halopipe is built for: a charge model whose charges
 are wired into damped-shifted-force electrostatics (autograd group, with the
@@ -7,8 +10,6 @@ with direct forces.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
@@ -50,29 +51,3 @@ def demo_pipeline(lj_cutoff: float = 8.0, coulomb_cutoff: float = 10.0, charge_c
         [Group([Step(lj)], autograd=False), Group([Step(charges), Step(coulomb)], autograd=True)],
         skin=skin,
     )
-
-
-def directional_force_check(pipeline: Pipeline, system: System, h: float = 1e-4, seed: int = 0) -> tuple[float, float]:
-    """Compare ``-F . d`` with a central difference of E along a random unit direction ``d``.
-
-    Returns (directional derivative from forces, from finite differences).
-    """
-    g = torch.Generator().manual_seed(seed)
-    d = torch.randn(system.positions.shape, generator=g, dtype=system.dtype)
-    d /= d.norm()
-    forces = pipeline(system)["forces"]
-    e_plus = float(pipeline(system.replace(positions=system.positions + h * d))["energy"])
-    e_minus = float(pipeline(system.replace(positions=system.positions - h * d))["energy"])
-    return float(-(forces * d).sum()), (e_plus - e_minus) / (2 * h)
-
-
-def time_call(fn, repeats: int = 3) -> float:
-    """Best wall time (s) of ``fn()`` over ``repeats`` calls."""
-    import time
-
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best

@@ -8,7 +8,7 @@ keyed by global atom ids, so trajectories do not depend on the rank count.
 
 from .integrators import FIRE, Integrator, Langevin, MDState, NoseHooverChain, VelocityVerlet
 from .reporters import EnergyPlot, ProgressBar, Reporter, ThermoLog, Trajectory
-from .simulation import Simulation, load_checkpoint
+from .simulation import CheckpointError, CheckpointMismatch, Simulation, load_checkpoint
 from .velocities import degrees_of_freedom, maxwell_boltzmann
 
 __all__ = [
@@ -20,6 +20,8 @@ __all__ = [
     "FIRE",
     "Simulation",
     "load_checkpoint",
+    "CheckpointError",
+    "CheckpointMismatch",
     "Reporter",
     "ProgressBar",
     "ThermoLog",

@@ -9,11 +9,14 @@ stress at that step (for the pressure); stress costs a little extra, so it is
 evaluated only at those steps. On a restart, ``start`` trims each output back
 to the checkpoint's step so the files equal those of an uninterrupted run.
 
-* :class:`ProgressBar`: steps/s, ns/day and ETA on rank 0 (stderr).
+* :class:`ProgressBar`: a tqdm bar with steps/s, ns/day and ETA on rank 0
+  (stderr); its rate is that of :attr:`Simulation.timing`, which run
+  summaries print too.
 * :class:`ThermoLog`: CSV of step, time, energies, temperature and pressure.
 * :class:`Trajectory`: extended XYZ (via ASE) in the original atom order,
   with velocities, forces and energy.
-* :class:`EnergyPlot`: at the end, a PNG of energy and temperature vs time.
+* :class:`EnergyPlot`: at the end, a PNG of the energies, the conserved-energy
+  drift (the NVE check) on its own axis, temperature and pressure vs time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,17 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["Reporter", "ProgressBar", "ThermoLog", "Trajectory", "EnergyPlot", "THERMO_COLUMNS"]
+__all__ = [
+    "Reporter",
+    "ProgressBar",
+    "ThermoLog",
+    "Trajectory",
+    "EnergyPlot",
+    "THERMO_COLUMNS",
+    "read_thermo",
+    "thermo_figure",
+    "plot_thermo",
+]
 
 THERMO_COLUMNS = ("step", "time_fs", "potential_eV", "kinetic_eV", "total_eV", "conserved_eV", "temperature_K", "pressure_GPa")
 _THERMO_KEYS = ("step", "time", "potential", "kinetic", "total", "conserved", "temperature", "pressure")
@@ -61,79 +74,62 @@ class Reporter:
         """Called at the end of each ``run`` (on every rank)."""
 
 
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "--"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
-
-
 class ProgressBar(Reporter):
-    """A progress bar on rank 0: steps/s, ns/day, ETA.
+    """A progress bar (tqdm) on rank 0: steps, steps/s, ns/day and the time left.
+
+    The rate is the stepping loop's (:class:`~halopipe.dynamics.simulation.RunTiming`):
+    setup and the first evaluation are not counted, and the final line shows
+    the same rate as a run summary.
 
     Parameters
     ----------
     stream : where to write (default ``sys.stderr``).
-    interval : seconds between updates on a terminal; elsewhere a line is
-        written every 10 % of the run.
+    interval : least seconds between updates.
     """
 
-    def __init__(self, stream=None, interval: float = 0.5, width: int = 24) -> None:
+    def __init__(self, stream=None, interval: float = 0.5) -> None:
         super().__init__(every=1)
-        self.stream, self.interval, self.width = stream, float(interval), int(width)
-
-    def _out(self):
-        return self.stream if self.stream is not None else sys.stderr
-
-    def start(self, sim) -> None:
-        self._t0 = time.perf_counter()
-        self._step0 = sim.step
-        self._last = -math.inf
-        self._decile = -1
-        self._tty = bool(getattr(self._out(), "isatty", lambda: False)())
+        self.stream, self.interval = stream, float(interval)
+        self._bar = None
 
     def due(self, step: int) -> bool:
         return True
 
-    def line(self, sim) -> str:
-        """The progress text for the current step."""
-        done, total = sim.step - self._step0, max(sim.target_step - self._step0, 1)
-        elapsed = time.perf_counter() - self._t0
-        rate = done / elapsed if elapsed > 0 and done else 0.0
-        ns_day = rate * sim.integrator.timestep * 86400 / 1e6
-        eta = (total - done) / rate if rate else math.inf
-        frac = min(done / total, 1.0)
-        bar = "#" * int(frac * self.width) + "." * (self.width - int(frac * self.width))
-        return (
-            f"step {sim.step}/{sim.target_step} [{bar}] {100 * frac:3.0f}%  {rate:.1f} steps/s  {ns_day:.3f} ns/day  ETA {_duration(eta)}"
+    def _open(self, sim):
+        from tqdm import tqdm
+
+        timing = sim.timing
+        return tqdm(
+            total=timing.target_step - timing.first_step,
+            initial=sim.step - timing.first_step,
+            file=self.stream if self.stream is not None else sys.stderr,
+            mininterval=self.interval,
+            unit="step",
+            dynamic_ncols=True,
+            bar_format="step {n}/{total} {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]",
         )
 
+    def _show(self, sim) -> None:
+        timing = sim.timing
+        rate = timing.rate
+        ns_day = rate * sim.integrator.timestep * 86400 / 1e6
+        self._bar.set_postfix_str(f"{rate:.1f} steps/s, {ns_day:.3f} ns/day" if math.isfinite(rate) else "", refresh=False)
+        self._bar.update(timing.steps - self._bar.n)
+
     def report(self, sim, thermo) -> None:
-        if sim.rank != 0:
-            return
-        now = time.perf_counter()
-        done, total = sim.step - self._step0, max(sim.target_step - self._step0, 1)
-        if self._tty:
-            if now - self._last >= self.interval or sim.step == sim.target_step:
-                self._out().write("\r" + self.line(sim))
-                self._out().flush()
-                self._last = now
-        else:
-            decile = int(10 * done / total)
-            if decile != self._decile:
-                self._decile = decile
-                print(self.line(sim), file=self._out(), flush=True)
+        if sim.rank != 0 or sim.timing is None or sim.timing.started is None:
+            return  # the initial report during setup: the bar starts with the loop
+        if self._bar is None:
+            self._bar = self._open(sim)
+            self._bar.start_t -= time.perf_counter() - sim.timing.started  # its clock starts with the loop, as the rate's
+        self._show(sim)
 
     def finish(self, sim) -> None:
-        if sim.rank == 0:
-            if self._tty:
-                self._out().write("\r" + self.line(sim) + "\n")
-            elif self._decile < 10:
-                print(self.line(sim), file=self._out())
-            elapsed = time.perf_counter() - self._t0
-            print(f"{sim.step - self._step0} steps in {_duration(elapsed)}", file=self._out(), flush=True)
+        if sim.rank != 0 or self._bar is None:
+            return
+        self._show(sim)
+        self._bar.close()  # draws the final state once
+        self._bar = None
 
 
 class ThermoLog(Reporter):
@@ -233,7 +229,7 @@ class Trajectory(Reporter):
 
 
 class EnergyPlot(Reporter):
-    """At the end, a PNG (matplotlib, Agg) of energy and temperature against time from the thermo CSV.
+    """At the end, a PNG (matplotlib, Agg) of the thermo CSV against time (see :func:`thermo_figure`).
 
     Parameters
     ----------
@@ -247,30 +243,52 @@ class EnergyPlot(Reporter):
 
     def finish(self, sim) -> None:
         if sim.rank == 0 and self.csv_path.is_file():
-            plot_thermo(self.csv_path, self.png_path, title=getattr(sim, "title", None) or sim.integrator.name)
+            title = getattr(sim, "title", None) or sim.integrator.name
+            plot_thermo(self.csv_path, self.png_path, n_atoms=sim.sharded.n_total, title=title)
 
 
-def plot_thermo(csv_path: str | Path, png_path: str | Path, title: str | None = None) -> Path:
-    """Plot energies (relative to their first value) and temperature against time."""
+def thermo_figure(data: dict[str, list[float]], n_atoms: int, title: str | None = None):
+    """A figure of a thermo log (columns as :func:`read_thermo` returns them), four panels sharing the time axis.
+
+    1. potential, kinetic and total energy relative to their first values;
+    2. the conserved quantity's drift, ``conserved - conserved(0)`` in meV/atom:
+       flat for a sound NVE run (or thermostat run, whose conserved quantity
+       includes the bath), so a drift shows here on its own scale;
+    3. temperature;
+    4. pressure (where it was evaluated).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = read_thermo(csv_path)
     t = [x / 1000.0 for x in data["time_fs"]]
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 6), constrained_layout=True)
-    for key, label in (("potential_eV", "potential"), ("kinetic_eV", "kinetic"), ("total_eV", "total"), ("conserved_eV", "conserved")):
+    fig, (energy, drift, temperature, pressure) = plt.subplots(4, 1, sharex=True, figsize=(7, 9), constrained_layout=True)
+    for key, label in (("potential_eV", "potential"), ("kinetic_eV", "kinetic"), ("total_eV", "total")):
         values = data[key]
         if values:
-            top.plot(t, [v - values[0] for v in values], label=label)
-    top.set_ylabel("E - E(0)  [eV]")
-    top.legend(loc="best", fontsize="small")
-    bottom.plot(t, data["temperature_K"], color="tab:red")
-    bottom.set_ylabel("temperature [K]")
-    bottom.set_xlabel("time [ps]")
+            energy.plot(t, [v - values[0] for v in values], label=label)
+    energy.set_ylabel("E - E(0)  [eV]")
+    energy.legend(loc="best", fontsize="small")
+    conserved = data["conserved_eV"]
+    drift.plot(t, [(v - conserved[0]) * 1000.0 / n_atoms for v in conserved] if conserved else [], color="black")
+    drift.set_ylabel("conserved drift\n[meV/atom]")
+    temperature.plot(t, data["temperature_K"], color="tab:red")
+    temperature.set_ylabel("temperature [K]")
+    finite = [(x, p) for x, p in zip(t, data["pressure_GPa"]) if math.isfinite(p)]
+    pressure.plot([x for x, _ in finite], [p for _, p in finite], color="tab:blue")
+    pressure.set_ylabel("pressure [GPa]")
+    pressure.set_xlabel("time [ps]")
     if title:
-        top.set_title(title, fontsize="small", wrap=True)
+        energy.set_title(title, fontsize="small", wrap=True)
+    return fig
+
+
+def plot_thermo(csv_path: str | Path, png_path: str | Path, n_atoms: int, title: str | None = None) -> Path:
+    """Write :func:`thermo_figure` of the thermo CSV at ``csv_path`` to ``png_path``."""
+    import matplotlib.pyplot as plt
+
+    fig = thermo_figure(read_thermo(csv_path), n_atoms, title)
     png_path = Path(png_path)
     fig.savefig(png_path, dpi=110)
     plt.close(fig)

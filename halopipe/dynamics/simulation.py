@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,18 +29,92 @@ from ..distributed import DistributedPipeline, DomainConfig, ShardedSystem
 from ..models.base import Model
 from ..pipeline import Pipeline
 from ..system import System
+from .fingerprint import fingerprint_changes, integrator_fingerprint, pipeline_fingerprint, system_identity
 from .integrators import Integrator, MDState
 from .units import EV_PER_A3_TO_GPA, KB
 from .velocities import maxwell_boltzmann
 
-__all__ = ["Simulation", "atomic_save", "load_checkpoint", "checkpoint_system", "CHECKPOINT_FORMAT"]
+__all__ = [
+    "Simulation",
+    "RunTiming",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "restart_changes",
+    "atomic_save",
+    "load_checkpoint",
+    "checkpoint_system",
+    "CHECKPOINT_FORMAT",
+]
 
-CHECKPOINT_FORMAT = "halopipe-md-checkpoint/1"
+CHECKPOINT_FORMAT = "halopipe-md-checkpoint/2"
 DEFAULT_SKIN = 1.0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read: empty, truncated, corrupt, or not a halopipe MD checkpoint."""
+
+
+class CheckpointMismatch(ValueError):
+    """A restart whose physics (system, models, groups, integrator) differs from the checkpoint's."""
+
+    def __init__(self, path: str | Path, changes: list[str]) -> None:
+        super().__init__(
+            f"{path} was written with other physics: " + "; ".join(changes) + ". "
+            "Restore the configuration, start a new run without --restart, or continue anyway with --restart --allow-changed"
+        )
+        self.changes = changes
+
+
+@dataclass
+class RunTiming:
+    """Wall time of the stepping loop of the latest :meth:`Simulation.run` (setup and the first evaluation excluded).
+
+    Progress bars and run summaries both read it, so they report the same rate.
+    """
+
+    first_step: int
+    target_step: int
+    started: float | None = None
+    """``time.perf_counter()`` when the loop began (``None`` during setup)."""
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        """Steps per second of the loop so far (NaN before the first step)."""
+        return self.steps / self.seconds if self.steps and self.seconds > 0 else math.nan
+
+    def tick(self, step: int) -> None:
+        """Record that the loop has reached ``step``."""
+        self.steps = step - self.first_step
+        self.seconds = time.perf_counter() - self.started
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast_from_rank0(value):
+    """``value`` of rank 0 on every rank (identity on one process)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _species_counts(numbers: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(numbers.to(torch.int64).cpu(), minlength=119)
+
+
+def _identity(system: System) -> dict:
+    return system_identity(system.n_atoms, _species_counts(system.numbers), system.cell, system.pbc)
+
+
+def _prefix_step(exc: Exception, step: int) -> None:
+    """Name the MD step in an error raised while computing it (type and traceback kept)."""
+    if exc.args and isinstance(exc.args[0], str) and not exc.args[0].startswith("MD step"):
+        exc.args = (f"MD step {step}: {exc.args[0]}", *exc.args[1:])
 
 
 def _as_distributed(model, config: DomainConfig | None) -> DistributedPipeline:
@@ -111,9 +188,24 @@ class Simulation:
         self.checkpoint_every = checkpoint_every
         self.sharded = self._shard(system)
         self.md = MDState(self.sharded, self.potential)
+        self.fingerprint = self._fingerprint()
+        self.changes: list[str] = []
         self.restarted = False
+        self.timing: RunTiming | None = None
         self._started = False
         self._last_checkpoint = -1
+
+    def _fingerprint(self) -> dict:
+        """The physics of this run (collective: species are counted over all ranks)."""
+        sh = self.sharded
+        counts = sh.all_reduce(_species_counts(sh.numbers).to(sh.positions.device))
+        models, groups = pipeline_fingerprint(self.potential.pipeline)
+        return {
+            "system": system_identity(sh.n_total, counts, sh.cell, sh.pbc),
+            "models": models,
+            "groups": groups,
+            "integrator": integrator_fingerprint(self.integrator),
+        }
 
     def _shard(self, system) -> ShardedSystem:
         if isinstance(system, ShardedSystem):
@@ -138,28 +230,57 @@ class Simulation:
         checkpoint: str | Path | None = None,
         checkpoint_every: int = 0,
         device: str | torch.device | None = None,
+        system: System | None = None,
+        allow_changed: bool = False,
     ) -> Simulation:
         """Continue from the checkpoint at ``path`` (on any number of ranks).
 
         The run then continues exactly as if uninterrupted: positions,
         velocities, the step, and the integrator's state (thermostat
         variables, the noise counter) come from the checkpoint.
+
+        Parameters
+        ----------
+        system : the system this run was configured with (rank 0); its
+            identity (atom count, species, cell, pbc) is checked against the
+            checkpoint's. ``None``: not checked.
+        allow_changed : continue although the physics differs from the
+            checkpoint's; the differences are in :attr:`changes`.
+
+        Raises
+        ------
+        FileNotFoundError, CheckpointError : no readable checkpoint at ``path``.
+        CheckpointMismatch : the models, groups, integrator or configured
+            system differ from the checkpoint's and ``allow_changed`` is false.
+        ValueError : another integrator type (its state cannot be continued).
         """
-        state = load_checkpoint(path) if _rank() == 0 else None
-        system = checkpoint_system(state, device=device) if state is not None else None
-        sim = cls(model, system, integrator, config, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
-        head = None
-        if state is not None:
-            head = {"step": state["step"], "time": state["time"], "integrator": state["integrator"]}
-        head = sim.sharded.comm.broadcast_object(head, src=0)
-        kind = head["integrator"]["type"]
-        if kind != type(integrator).__name__:
+        potential = _as_distributed(model, config)
+        state, verdict = None, None
+        if _rank() == 0:
+            try:
+                state = load_checkpoint(path)
+                verdict = {"changes": restart_changes(state, potential.pipeline, integrator, system)}
+            except (FileNotFoundError, CheckpointError) as exc:
+                verdict = {"error": type(exc).__name__, "message": str(exc)}
+        verdict = _broadcast_from_rank0(verdict)  # every rank raises the same error, none waits
+        if "error" in verdict:
+            raise {"FileNotFoundError": FileNotFoundError, "CheckpointError": CheckpointError}[verdict["error"]](verdict["message"])
+        changes = verdict["changes"]
+        kind = next((c for c in changes if c.startswith("integrator.type:")), None)
+        if kind is not None:
             raise ValueError(
-                f"Simulation.restart: {path} was written by a {kind} run but this run uses {type(integrator).__name__}; "
+                f"Simulation.restart: {path} was written by another integrator ({kind}); "
                 "a restart continues the same run (start a new run from the checkpoint's structure instead)"
             )
+        if changes and not allow_changed:
+            raise CheckpointMismatch(path, changes)
+        system_now = checkpoint_system(state, device=device) if state is not None else None
+        sim = cls(potential, system_now, integrator, None, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
+        head = {"step": state["step"], "time": state["time"], "integrator": state["integrator"]} if state is not None else None
+        head = sim.sharded.comm.broadcast_object(head, src=0)
         sim.md.step, sim.md.time = int(head["step"]), float(head["time"])
         integrator.load_state_dict(head["integrator"]["state"], sim.md)
+        sim.changes = changes
         sim.restarted = True
         sim._last_checkpoint = sim.md.step
         return sim
@@ -201,16 +322,22 @@ class Simulation:
         if not (isinstance(steps, int) and steps >= 0):
             raise ValueError(f"Simulation.run: steps must be an integer >= 0, got {steps!r}")
         md = self.md
-        self._target = md.step + steps
+        self.timing = RunTiming(md.step, md.step + steps)
         if not self._started:
             self._start()
+        self.timing.started = time.perf_counter()
         for _ in range(steps):
             if self.integrator.converged:
                 break
             n = md.step + 1
             md.want_stress = self._wants_stress(n)
-            self.integrator.step(md)
+            try:
+                self.integrator.step(md)
+            except Exception as exc:
+                _prefix_step(exc, n)
+                raise
             md.step, md.time = n, md.time + self.integrator.timestep
+            self.timing.tick(n)
             self._report(n)
             if self.checkpoint is not None and self.checkpoint_every and n % self.checkpoint_every == 0:
                 self.save_checkpoint()
@@ -223,7 +350,11 @@ class Simulation:
     def _start(self) -> None:
         md = self.md
         md.want_stress = self._wants_stress(md.step) and not self.restarted
-        md.compute()
+        try:
+            md.compute()
+        except Exception as exc:
+            _prefix_step(exc, md.step)
+            raise
         self.integrator.setup(md, self.restarted)
         for r in self.reporters:
             r.start(self)
@@ -234,7 +365,7 @@ class Simulation:
     @property
     def target_step(self) -> int:
         """The step the current :meth:`run` call ends at."""
-        return getattr(self, "_target", self.md.step)
+        return self.timing.target_step if self.timing is not None else self.md.step
 
     def _wants_stress(self, step: int) -> bool:
         return any(r.wants_stress(step) for r in self.reporters)
@@ -293,6 +424,7 @@ class Simulation:
             "fields": fields,
             "integrator": {"type": type(self.integrator).__name__, "state": self.integrator.state_dict(md)},
             "timestep": self.integrator.timestep,
+            "physics": self.fingerprint,
         }
 
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
@@ -323,14 +455,56 @@ def atomic_save(obj, path: str | Path) -> None:
         raise
 
 
+def restart_changes(state: dict, pipeline: Pipeline, integrator: Integrator, system: System | None = None) -> list[str]:
+    """How the physics of a restart differs from a loaded checkpoint's, one line per change (empty: none).
+
+    Parameters
+    ----------
+    state : the checkpoint, as :func:`load_checkpoint` returns it.
+    pipeline, integrator : what the restart would run with.
+    system : the system the run is configured with; ``None``: not compared.
+    """
+    stored = state["physics"]
+    models, groups = pipeline_fingerprint(pipeline)
+    current = {
+        "system": _identity(system) if system is not None else stored["system"],
+        "models": models,
+        "groups": groups,
+        "integrator": integrator_fingerprint(integrator),
+    }
+    return fingerprint_changes(stored, current)
+
+
+def _unreadable(path: Path, reason: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} {reason}; restore an intact copy or start a new run without --restart")
+
+
 def load_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint written by :meth:`Simulation.save_checkpoint`."""
+    """Read a checkpoint written by :meth:`Simulation.save_checkpoint`.
+
+    Raises
+    ------
+    FileNotFoundError : there is no file at ``path``.
+    CheckpointError : the file is empty, truncated, corrupt, or not a halopipe
+        MD checkpoint of this format; the message names the file.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist; run without --restart first")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} is not a halopipe MD checkpoint (format {CHECKPOINT_FORMAT})")
+    if path.stat().st_size == 0:
+        raise _unreadable(path, "is empty (0 bytes): the run that wrote it was interrupted before its first checkpoint")
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as handle:
+            zip_header = handle.read(4) == b"PK\x03\x04"
+        raise _unreadable(path, "is truncated (incomplete archive)" if zip_header else "is not a halopipe checkpoint (not a torch archive)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch and pickle raise many kinds; the file is unusable in every case
+        raise _unreadable(path, "is corrupt, or holds objects (not plain data) and is not a halopipe checkpoint") from exc
+    found = state.get("format") if isinstance(state, dict) else None
+    if found != CHECKPOINT_FORMAT:
+        what = f"has format {found!r}" if isinstance(found, str) else f"holds a {type(state).__name__} without a format tag"
+        raise _unreadable(path, f"is not a halopipe MD checkpoint: it {what}, expected {CHECKPOINT_FORMAT!r}")
     return state
 
 

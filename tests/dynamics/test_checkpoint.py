@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from halopipe.distributed.launch import spawn
-from halopipe.dynamics import Simulation, load_checkpoint
+from halopipe.dynamics import Langevin, Simulation, VelocityVerlet, load_checkpoint
 from halopipe.dynamics.simulation import atomic_save
 
 from ._workers import argon, checkpoint_run, checkpoint_suite, integrator, lj
@@ -98,3 +98,89 @@ def test_restart_rejects_other_integrator_and_missing_file(tmp_path):
         Simulation.restart(tmp_path / "c.pt", lj(), integrator("langevin"))
     with pytest.raises(FileNotFoundError):
         Simulation.restart(tmp_path / "missing.pt", lj(), integrator("nve"))
+
+
+# ------------------------------------------------------------ unreadable files
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _truncated(path):
+    checkpoint_run("nve", 2, str(path), None)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _corrupt(path):
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+
+
+def _foreign(path):
+    torch.save(torch.nn.Linear(2, 2), path)  # a pickled module: torch.load(weights_only=True) refuses it with pickling advice
+
+
+def _other_dict(path):
+    torch.save({"step": 3, "positions": torch.zeros(2, 3)}, path)
+
+
+@pytest.mark.parametrize("make", [_empty, _truncated, _corrupt, _foreign, _other_dict], ids=lambda f: f.__name__[1:])
+def test_an_unreadable_checkpoint_gives_one_message_naming_the_file(tmp_path, make):
+    from halopipe.dynamics import CheckpointError
+
+    path = tmp_path / "checkpoint.pt"
+    make(path)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {path} ") and "\n" not in message
+    assert "weights_only" not in message and "pickl" not in message.lower()
+
+
+# ------------------------------------------------------ changed physics
+def _stopped_run(tmp_path):
+    checkpoint_run("langevin", 4, str(tmp_path / "c.pt"), None)
+    return tmp_path / "c.pt"
+
+
+def test_restart_refuses_a_changed_model_parameter_naming_it(tmp_path):
+    from halopipe import LennardJones
+    from halopipe.dynamics import CheckpointMismatch
+
+    path = _stopped_run(tmp_path)
+    with pytest.raises(CheckpointMismatch, match=r"models\.LennardJones\.epsilon: tensor values changed"):
+        Simulation.restart(path, LennardJones(epsilon=0.02, sigma=3.4, cutoff=6.0), integrator("langevin"))
+    with pytest.raises(CheckpointMismatch, match=r"models\.LennardJones\.cutoff: 6\.0 -> 6\.5"):
+        Simulation.restart(path, LennardJones(epsilon=0.0104, sigma=3.4, cutoff=6.5), integrator("langevin"))
+    with pytest.raises(CheckpointMismatch, match=r"integrator\.temperature: 400\.0 -> 300\.0"):
+        Simulation.restart(path, lj(), Langevin(2.0, temperature=300.0, friction=0.02, seed=11))
+    sim = Simulation.restart(path, LennardJones(epsilon=0.02, sigma=3.4, cutoff=6.0), integrator("langevin"), allow_changed=True)
+    assert sim.changes == ["models.LennardJones.epsilon: tensor values changed"] and sim.step == 4
+
+
+def test_restart_refuses_a_changed_system_naming_the_atom_count(tmp_path):
+    from halopipe.dynamics import CheckpointMismatch
+
+    path = _stopped_run(tmp_path)
+    with pytest.raises(CheckpointMismatch, match=r"system\.n_atoms: 256 -> 108.*system\.species\.Ar: 256 -> 108"):
+        Simulation.restart(path, lj(), integrator("langevin"), system=argon(cells=3))
+    Simulation.restart(path, lj(), integrator("langevin"), system=argon(cells=4, rattle=0.3))  # other positions: the same system
+
+
+def test_checkpoint_fingerprint_names_the_physics(tmp_path):
+    physics = load_checkpoint(_stopped_run(tmp_path))["physics"]
+    assert physics["system"]["n_atoms"] == 256 and physics["system"]["species"] == {"Ar": 256}
+    assert physics["system"]["pbc"] == [True, True, True]
+    np.testing.assert_allclose(physics["system"]["cell"], np.diag([4 * 5.26] * 3), rtol=0, atol=1e-12)  # 4 fcc cells of 5.26 Å
+    assert physics["models"]["LennardJones"]["cutoff"] == 6.0 and physics["models"]["LennardJones"]["type"] == "LennardJones"
+    assert physics["groups"] == [{"steps": ["LennardJones"], "autograd": False, "wire": [{}], "bind": [{}]}]
+    assert physics["integrator"] == {"type": "Langevin", "timestep": 2.0, "temperature": 400.0, "friction": 0.02, "seed": 11}
+
+
+# -------------------------------------------------------------- step in errors
+def test_a_model_error_names_the_md_step():
+    from tests.cli._helpers import FailingLJ
+
+    model = FailingLJ(fail_call=4, message="non-finite energy from FailingLJ", epsilon=0.0104, sigma=3.4, cutoff=6.0)
+    sim = Simulation(model, argon(cells=2), VelocityVerlet(2.0))
+    with pytest.raises(ValueError, match=r"^MD step 3: non-finite energy from FailingLJ$"):
+        sim.run(10)
+    assert sim.step == 2
