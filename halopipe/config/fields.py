@@ -9,11 +9,13 @@ kept as canonical symbols until a model is built, when they become atomic number
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import numbers
+import operator
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Union, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, model_validator
 from pydantic.functional_validators import AfterValidator
@@ -145,7 +147,7 @@ ElementTable = dict[ElementKey, Number]
 
 def _per_species(key) -> Any:
     """One number for every species, or a table keyed by ``key``."""
-    members = Union[Annotated[Number, Tag("all species")], Annotated[dict[key, Number], Tag("per species")]]
+    members = Annotated[Number, Tag("all species")] | Annotated[dict[key, Number], Tag("per species")]
     return Annotated[members, Discriminator(lambda v: "per species" if isinstance(v, Mapping) else "all species")]
 
 
@@ -197,5 +199,5 @@ def tagged_union(specs: Iterable[type[BaseModel]], what: str, fallback: type[Bas
     members = [Annotated[spec, Tag(spec.__name__)] for spec in specs + ([fallback] if fallback else [])]
     # The message carries the choices (a context dict would make the type unhashable, so not usable in "X | None").
     message = f"unknown {what}; choose one of {', '.join(tags)}{hint}"
-    return Annotated[Union[tuple(members)], Discriminator(choose, custom_error_type="unknown_type", custom_error_message=message)]
-
+    union = functools.reduce(operator.or_, members)
+    return Annotated[union, Discriminator(choose, custom_error_type="unknown_type", custom_error_message=message)]

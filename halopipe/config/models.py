@@ -83,11 +83,15 @@ class LennardJonesSpec(ModelSpec):
 
     def missing_species(self, model, species):
         known = model.known[species][:, species]
-        pairs = [(species[i], species[j]) for i, j in (~known).nonzero().tolist() if i <= j]
-        if pairs:
-            names = ", ".join(f"{element_symbol(a)}-{element_symbol(b)}" for a, b in pairs)
-            return f"no epsilon/sigma for the species pair(s) {names} present in the system; give them per element or per 'A-B' pair"
-        return None
+        lacking = [z for k, z in enumerate(species) if not bool(known[k, k])]
+        if lacking:
+            return f"no epsilon/sigma for {_symbols(lacking)} present in the system; add them per element or per 'A-B' pair"
+        pairs = [f"{element_symbol(species[i])}-{element_symbol(species[j])}" for i, j in (~known).nonzero().tolist() if i < j]
+        return (
+            f"no epsilon/sigma for the pair(s) {', '.join(pairs)} present in the system; add them per element or per pair"
+            if pairs
+            else None
+        )
 
 
 class DSFCoulombSpec(ModelSpec):
@@ -187,7 +191,9 @@ class MACESpec(ModelSpec):
 
     def missing_species(self, model, species):
         lacking = [z for z in species if z not in model.species]
-        return f"the MACE model has no {_symbols(lacking)} (it knows {_symbols(model.species)}); use a model trained on them" if lacking else None
+        if lacking:
+            return f"the MACE model has no {_symbols(lacking)} (it knows {_symbols(model.species)}); use a model trained on them"
+        return None
 
 
 class TorchModelSpec(ModelSpec):

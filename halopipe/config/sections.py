@@ -89,8 +89,6 @@ class SystemSpec(Section):
         """The :class:`~halopipe.System` (velocities are drawn later, by the simulation)."""
         import torch
 
-        from ..system import System
-
         system = self._read(dtype) if self.file is not None else self.generator.build(dtype)
         if self.charges is None:
             return system
@@ -230,7 +228,7 @@ class RunSpec(Section):
                 if step.model not in self.models:
                     raise ConfigError(f"{where}.model", f"{step.model!r} is not a model defined under 'models' ({', '.join(self.models)})")
                 if step.model in used:
-                    raise ConfigError(f"{where}.model", f"model {step.model!r} is already used at {used[step.model]}; define a second model")
+                    raise ConfigError(f"{where}.model", f"model {step.model!r} is already used at {used[step.model]}; define another")
                 used[step.model] = where
         unused = [name for name in self.models if name not in used]
         if unused:
