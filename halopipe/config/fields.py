@@ -71,12 +71,13 @@ def _real(value):
     return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else value
 
 
+# Bounds come before the converter, so that the JSON schema shows them as minimum / exclusiveMinimum.
 Int = Annotated[int, BeforeValidator(_integer)]
-Count = Annotated[Int, Field(ge=0)]
-PositiveInt = Annotated[Int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0), BeforeValidator(_integer)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integer)]
 Number = Annotated[float, BeforeValidator(_real)]
-Positive = Annotated[Number, Field(gt=0)]
-NonNegative = Annotated[Number, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0), BeforeValidator(_real)]
+NonNegative = Annotated[float, Field(ge=0), BeforeValidator(_real)]
 
 
 # -------------------------------------------------------------------- files

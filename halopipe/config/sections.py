@@ -63,7 +63,12 @@ class NaClSpec(Section):
         return demo_system(cells=self.cells, seed=self.seed, dtype=dtype, rattle=self.rattle)
 
 
-Generator = Annotated[tagged_union((ArgonSpec, NaClSpec), "generator"), BeforeValidator(lambda v: {"type": v} if isinstance(v, str) else v)]
+_Generators = tagged_union((ArgonSpec, NaClSpec), "generator")
+Generator = Annotated[
+    _Generators,
+    BeforeValidator(lambda v: {"type": v} if isinstance(v, str) else v, json_schema_input_type=Literal["argon", "nacl"] | _Generators),
+]
+"""A generator by name (``argon``) or with options (``{type: argon, cells: 4}``)."""
 
 
 class SystemSpec(Section):
@@ -124,16 +129,15 @@ class StepSpec(Section):
     bind: dict[str, str] = Field(default_factory=dict, description="where inputs come from: {input: visible}")
     name: str | None = Field(None, description="label of this step's energy (default: the model's name)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _bare_name(cls, data):
-        return {"model": data} if isinstance(data, str) else data
+
+Step = Annotated[StepSpec, BeforeValidator(lambda v: {"model": v} if isinstance(v, str) else v, json_schema_input_type=str | StepSpec)]
+"""A step by model name (``lj``) or in full (``{model: pme, bind: {charges: q}}``)."""
 
 
 class GroupSpec(Section):
     """Models evaluated together: with direct forces (``autograd: false``) or differentiated once."""
 
-    steps: list[StepSpec] = Field(min_length=1)
+    steps: list[Step] = Field(min_length=1)
     autograd: bool | None = Field(None, description="default: direct when every model offers direct forces and none produces a field")
 
 
