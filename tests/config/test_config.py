@@ -356,3 +356,28 @@ def test_torch_model_from_file_and_factory(tmp_path):
     with pytest.raises(ConfigError, match="rejected") as info:
         parse_config(data)
     assert info.value.key == "models.nn.options"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_mace_model_file_matches_mace_calculator_and_its_species_are_checked(tmp_path):
+    pytest.importorskip("mace")
+    import ase.io
+
+    from tests.models.test_mace import build_model, mace_reference, make_atoms
+
+    model = build_model("scaleshift_L2_corr3")  # H, C, O
+    torch.save(model, tmp_path / "small.model")
+    atoms = make_atoms(True)
+    ase.io.write(tmp_path / "hco.xyz", atoms, format="extxyz")
+    data = config(system={"file": "hco.xyz"}, models={"mace": {"type": "MACE", "file": "small.model"}})
+    cfg = parse_config(data, base=tmp_path)
+    out = cfg.build_pipeline()(cfg.build_system())
+    reference = mace_reference(model, ase.io.read(tmp_path / "hco.xyz"))
+    assert float(out["energy"]) == pytest.approx(reference["energy"], rel=1e-10)
+    np.testing.assert_allclose(out["forces"].detach().numpy(), reference["forces"], atol=1e-8)
+    atoms.numbers[0] = 14
+    ase.io.write(tmp_path / "hco.xyz", atoms, format="extxyz")
+    with pytest.raises(ConfigError, match=r"no Si \(it knows H, C, O\)") as info:
+        parse_config(data, base=tmp_path)
+    assert info.value.key == "models.mace"
