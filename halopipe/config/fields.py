@@ -17,30 +17,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, model_validator
-from pydantic.functional_validators import AfterValidator
+from ase.data import chemical_symbols
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo, model_validator
 
 from .errors import ConfigError
-
-__all__ = [
-    "Section",
-    "Int",
-    "Count",
-    "PositiveInt",
-    "Number",
-    "Positive",
-    "NonNegative",
-    "ExistingFile",
-    "ImportPath",
-    "ElementTable",
-    "PerElement",
-    "PerPair",
-    "atomic_numbers_of",
-    "element_symbol",
-    "import_object",
-    "tagged_union",
-    "type_names",
-]
 
 
 class Section(BaseModel):
@@ -105,27 +85,20 @@ ImportPath = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*[.:][A-Za-z_]\w*$", 
 
 
 # ------------------------------------------------------------------ species
-def _chemical_symbols() -> list[str]:
-    from ase.data import chemical_symbols
-
-    return chemical_symbols
-
-
 def _element_number(text: str) -> int:
     """``'Na'``, ``'na'`` or ``'11'`` -> 11; a wrongly capitalised symbol is named as such."""
-    symbols = _chemical_symbols()
-    if text.isdigit() and 1 <= int(text) < len(symbols):
+    if text.isdigit() and 1 <= int(text) < len(chemical_symbols):
         return int(text)
-    spelled = text if text in symbols else text.capitalize() if text.islower() else None
-    if spelled in symbols[1:]:
-        return symbols.index(spelled)
-    if text.capitalize() in symbols[1:]:
+    spelled = text if text in chemical_symbols else text.capitalize() if text.islower() else None
+    if spelled in chemical_symbols[1:]:
+        return chemical_symbols.index(spelled)
+    if text.capitalize() in chemical_symbols[1:]:
         raise ConfigError("", f"{text!r} is not an element symbol; write {text.capitalize()!r} (or {text.lower()!r})")
     raise ConfigError("", f"{text!r} is not an element symbol")
 
 
 def element_symbol(z: int) -> str:
-    return _chemical_symbols()[z]
+    return chemical_symbols[z]
 
 
 def _species_key(value, pairs: bool) -> str:
@@ -160,11 +133,10 @@ PerPair = _per_species(PairKey)
 
 def _atomic_numbers_key(key):
     """``'Na'`` -> 11, ``'Na-Cl'`` -> (11, 17) (canonical symbols or numbers only); any other key is returned unchanged."""
-    symbols = _chemical_symbols()
     parts = key.split("-") if isinstance(key, str) else []
-    if not 1 <= len(parts) <= 2 or not all(p in symbols[1:] or p.isdigit() for p in parts):
+    if not 1 <= len(parts) <= 2 or not all(p in chemical_symbols[1:] or p.isdigit() for p in parts):
         return key
-    zs = tuple(int(p) if p.isdigit() else symbols.index(p) for p in parts)
+    zs = tuple(int(p) if p.isdigit() else chemical_symbols.index(p) for p in parts)
     return zs[0] if len(zs) == 1 else zs
 
 

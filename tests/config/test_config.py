@@ -381,3 +381,22 @@ def test_mace_model_file_matches_mace_calculator_and_its_species_are_checked(tmp
     with pytest.raises(ConfigError, match=r"no Si \(it knows H, C, O\)") as info:
         parse_config(data, base=tmp_path)
     assert info.value.key == "models.mace"
+
+
+def test_dftd3_without_reference_data_is_named(tmp_path):
+    import ase
+    import ase.io
+
+    atoms = ase.Atoms("ArRf", positions=[[0, 0, 0], [3.0, 0, 0]], cell=[8.0, 8.0, 8.0], pbc=True)
+    ase.io.write(tmp_path / "rf.xyz", atoms, format="extxyz")
+    data = config(system={"file": "rf.xyz"}, models={"d3": {"type": "DFTD3", "functional": "pbe", "cutoff": 6.0}})
+    with pytest.raises(ConfigError, match=r"no D3 reference data for Rf\b") as info:
+        parse_config(data, base=tmp_path)
+    assert info.value.key == "models.d3"
+
+
+def test_several_problems_are_listed_by_key():
+    data = config(steps=-1, nproc=0, domain={"skin": -1.0})
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    assert info.value.key == "domain.skin" and str(info.value).endswith("(also: nproc, steps)"), str(info.value)
