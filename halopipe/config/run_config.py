@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from ..pipeline import Group, Pipeline, Step
 from .errors import ConfigError, config_error, join_key
 from .sections import RunSpec
 
@@ -82,14 +83,12 @@ class RunConfig:
 
     def build_pipeline(self, models: dict | None = None):
         """The composite :class:`~halopipe.Pipeline` of the configured (or the given, already built) models."""
-        from ..pipeline import Group, Pipeline, Step
-
         models = self.build_models() if models is None else models
         try:
             if self.spec.groups is None:
                 groups = [Step(model, name=name) for name, model in models.items()]
             else:
-                groups = [_group(spec, models, Group, Step) for spec in self.spec.groups]
+                groups = [_group(spec, models) for spec in self.spec.groups]
             pipeline = Pipeline(groups, **self._pipeline_domain())
         except (ValueError, TypeError) as exc:
             raise ConfigError("groups", str(exc)) from exc
@@ -139,7 +138,7 @@ def _build_model(spec, key: str):
         raise ConfigError(key, f"{type(spec).__name__.removesuffix('Spec')} rejected its parameters: {exc}") from exc
 
 
-def _group(spec, models: dict, Group, Step):
+def _group(spec, models: dict) -> Group:
     steps = [Step(models[s.model], wire=s.wire, bind=s.bind, name=s.name or s.model) for s in spec.steps]
     autograd = spec.autograd
     if autograd is None:
