@@ -36,11 +36,11 @@ CASES = {
 def build(case: str, device: str):
     """(pipeline, system) of a benchmark case."""
     from halopipe import LennardJones, Pipeline
-    from halopipe.config import _generate
+    from halopipe.config.sections import ArgonSpec
     from halopipe.demo import demo_pipeline, demo_system
 
     if case == "lj-argon-32k":
-        system = _generate({"type": "argon", "cells": 20, "lattice": 5.26, "rattle": 0.02, "seed": 0}, torch.float64)
+        system = ArgonSpec(type="argon", cells=20, lattice=5.26, rattle=0.02, seed=0).build(torch.float64)
         pipeline = Pipeline([LennardJones(epsilon=0.0104, sigma=3.4, cutoff=8.5)])
     elif case == "demo-composite-8k":
         system = demo_system(cells=10)
