@@ -4,7 +4,8 @@ The public API in one place: systems, models, pipelines, the distributed layer
 and the dynamics built on them.
 """
 
-from .distributed import DistributedError, DistributedModel, DistributedPipeline, DomainConfig, ShardedSystem
+from .distributed import DistributedError, ShardedSystem
+from .domain import DomainConfig
 from .models import DFTD3, MACE, PME, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, TorchModel
 from .pipeline import Group, Pipeline, Step
 from .system import System
@@ -29,8 +30,6 @@ __all__ = [
     "Step",
     "DomainConfig",
     "ShardedSystem",
-    "DistributedPipeline",
-    "DistributedModel",
     "DistributedError",
     "__version__",
 ]

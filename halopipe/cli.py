@@ -27,10 +27,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     names = [n for row in pipeline.names for n in row]
     print(f"{'model':<14}{'cutoff/Å':>10}{'energy/eV':>18}")
     for name, model in zip(names, models):
-        print(f"{name:<14}{model.cutoff:>10.2f}{float(out['energies'][name]):>18.6f}")
+        print(f"{name:<14}{model.cutoff:>10.2f}{float(out['model_energies'][name]):>18.6f}")
     print(f"{'total':<14}{'':>10}{float(out['energy']):>18.6f}")
     p = -torch.trace(out["stress"]) / 3 * 160.21766208
-    print(f"pressure: {float(p):.4f} GPa;  charges sum to {float(out['charges'].sum()):.2e} e")
+    print(f"pressure: {float(p):.4f} GPa;  charges sum to {float(out['fields']['charges'].sum()):.2e} e")
     analytic, numeric = directional_force_check(pipeline, system)
     print(f"force check: -F.d = {analytic:.9f}, finite difference dE/dd = {numeric:.9f} (diff {abs(analytic - numeric):.2e} eV/Å)")
     print(f"time per evaluation (energy+forces+stress): {first * 1e3:.1f} ms building plan and lists, {seconds * 1e3:.1f} ms reusing them")

@@ -451,7 +451,7 @@ class RunConfig:
         models = self.build_models()
         try:
             if self.data["groups"] is None:
-                pipeline = Pipeline([Step(m, name=n) for n, m in models.items()], skin=self.data["domain"]["skin"])
+                pipeline = Pipeline([Step(m, name=n) for n, m in models.items()], config=self.domain_config())
             else:
                 groups = []
                 for spec in self.data["groups"]:
@@ -460,7 +460,7 @@ class RunConfig:
                     if autograd is None:
                         autograd = not all(s.model.direct_forces and not s.model.outputs for s in steps)
                     groups.append(Group(steps, autograd=autograd))
-                pipeline = Pipeline(groups, skin=self.data["domain"]["skin"])
+                pipeline = Pipeline(groups, config=self.domain_config())
         except (ValueError, TypeError) as exc:
             raise ConfigError("groups", str(exc)) from exc
         return pipeline.to(dtype=self.dtype, device=self.device)
@@ -470,7 +470,7 @@ class RunConfig:
         return integrator_class(spec["type"])(**spec["params"])
 
     def domain_config(self):
-        from .distributed import DomainConfig
+        from .domain import DomainConfig
 
         d = self.data["domain"]
         return DomainConfig(grid=d["grid"], skin=d["skin"], halo=d["halo"], timeout=d["timeout"])

@@ -52,7 +52,7 @@ def finite_difference_stress(pipeline: Pipeline, system: System, h: float = 1e-6
     for a in range(3):
         for b in range(a, 3):
             e = torch.zeros(3, 3, dtype=system.dtype)
-            e[a, b] = e[b, a] = h if a != b else h
+            e[a, b] = e[b, a] = h
             vals = []
             for sign in (1.0, -1.0):
                 strain = eye + sign * e

@@ -121,18 +121,16 @@ def run_worker(data: dict, source: str, directory: str, restart: bool) -> dict:
 
     config = RunConfig(data, source)
     directory = Path(directory)
-    pipeline, integrator, domain = config.build_pipeline(), config.build_integrator(), config.domain_config()
+    pipeline, integrator = config.build_pipeline(), config.build_integrator()
     reporters = _reporters(config, directory)
     checkpoint_every = config.outputs["checkpoint_every"]
     if restart:
         sim = Simulation.restart(
-            directory / CHECKPOINT, pipeline, integrator, domain, reporters, checkpoint_every=checkpoint_every, device=config.device
+            directory / CHECKPOINT, pipeline, integrator, reporters, checkpoint_every=checkpoint_every, device=config.device
         )
     else:
         system = config.build_system() if _rank() == 0 else None
-        sim = Simulation(
-            pipeline, system, integrator, domain, reporters, checkpoint=directory / CHECKPOINT, checkpoint_every=checkpoint_every
-        )
+        sim = Simulation(pipeline, system, integrator, reporters, checkpoint=directory / CHECKPOINT, checkpoint_every=checkpoint_every)
         velocities = config.data["system"].get("velocities")
         if velocities:
             sim.set_velocities(velocities["temperature"], velocities["seed"])
@@ -258,7 +256,7 @@ def run_demo(nproc: int = 2, atoms: int = 216, steps: int = 300, output: str | N
 # ------------------------------------------------------------------ verify
 def verify_worker(data: dict, source: str) -> dict:
     """Distributed evaluation vs a single process (rank 0); every rank calls it."""
-    from ..distributed import DistributedPipeline, ShardedSystem
+    from ..distributed import ShardedSystem
 
     config = RunConfig(data, source)
     pipeline = config.build_pipeline()
@@ -267,8 +265,8 @@ def verify_worker(data: dict, source: str) -> dict:
     domain = config.domain_config()
     sharded = ShardedSystem.scatter(system, domain)
     stress = bool(sharded.pbc.all())
-    reference = pipeline(system, stress=stress) if rank == 0 else None
-    distributed = DistributedPipeline(config.build_pipeline(), domain)
+    reference = pipeline(system, stress=stress, decompose=False) if rank == 0 else None
+    distributed = config.build_pipeline()
     t0 = time.perf_counter()
     out = distributed(sharded, stress=stress)
     seconds = time.perf_counter() - t0
@@ -280,7 +278,7 @@ def verify_worker(data: dict, source: str) -> dict:
         "world_size": sharded.world_size,
         "grid": tuple(sharded.grid),
         "seconds": seconds,
-        "energies": {k: (float(out["energies"][k]), float(reference["energies"][k])) for k in out["energies"]},
+        "energies": {k: (float(out["model_energies"][k]), float(reference["model_energies"][k])) for k in out["model_energies"]},
         "energy": (float(out["energy"]), float(reference["energy"])),
         "force_diff": float((forces.cpu() - reference["forces"].detach().cpu()).abs().max()),
         "force_scale": float(reference["forces"].detach().abs().max()),

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedPipeline, DomainConfig, ShardedSystem
+from ..distributed import ShardedSystem
 from ..models.base import Model
 from ..pipeline import Pipeline
 from ..system import System
@@ -33,26 +33,19 @@ from .velocities import maxwell_boltzmann
 __all__ = ["Simulation", "atomic_save", "load_checkpoint", "checkpoint_system", "CHECKPOINT_FORMAT"]
 
 CHECKPOINT_FORMAT = "halopipe-md-checkpoint/1"
-DEFAULT_SKIN = 1.0
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _as_distributed(model, config: DomainConfig | None) -> DistributedPipeline:
-    """Any Model, Pipeline, DistributedModel or DistributedPipeline -> a DistributedPipeline."""
-    if isinstance(model, DistributedPipeline):
-        if config is not None and (float(config.skin) != float(model.config.skin) or config.grid != model.config.grid):
-            raise ValueError(f"Simulation: config {config} differs from the DistributedPipeline's {model.config}; pass one of them")
-        return model
+def _as_pipeline(model) -> Pipeline:
+    """A Model or Pipeline -> the Pipeline whose config (skin, grid) the simulation uses."""
     if isinstance(model, Model):
-        model = Pipeline([model])
+        return Pipeline([model])
     if not isinstance(model, Pipeline):
-        raise TypeError(f"Simulation: expected a Model, Pipeline, DistributedModel or DistributedPipeline, got {type(model).__name__}")
-    if config is None:
-        config = DomainConfig(skin=model.skin if model.skin > 0 else DEFAULT_SKIN)
-    return DistributedPipeline(model, config)
+        raise TypeError(f"Simulation: expected a Model or Pipeline, got {type(model).__name__}")
+    return model
 
 
 def _with_velocities(system: System) -> System:
@@ -71,16 +64,13 @@ class Simulation:
 
     Parameters
     ----------
-    model : a :class:`~halopipe.models.Model`, :class:`~halopipe.Pipeline`,
-        :class:`~halopipe.distributed.DistributedModel` or
-        :class:`~halopipe.distributed.DistributedPipeline`.
+    model : a :class:`~halopipe.models.Model` or :class:`~halopipe.Pipeline`;
+        the pipeline's ``config`` gives the skin and the brick grid.
     system : the :class:`~halopipe.System` (needed on rank 0; other ranks may
         pass it or ``None``) or an already scattered
         :class:`~halopipe.distributed.ShardedSystem`. Velocities (Å/fs) are
         taken from its ``velocities`` field, zero if absent.
     integrator : an :class:`~halopipe.dynamics.integrators.Integrator`.
-    config : :class:`~halopipe.distributed.DomainConfig` (grid, skin); default
-        skin 1 Å.
     reporters : objects with ``start``/``report``/``finish`` (see
         :mod:`halopipe.dynamics.reporters`).
     checkpoint : path of the checkpoint file, or ``None`` for none.
@@ -94,7 +84,6 @@ class Simulation:
         model,
         system,
         integrator: Integrator,
-        config: DomainConfig | None = None,
         reporters=(),
         checkpoint: str | Path | None = None,
         checkpoint_every: int = 0,
@@ -103,7 +92,7 @@ class Simulation:
             raise TypeError(f"Simulation: integrator must be an Integrator, got {type(integrator).__name__}")
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Simulation: checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
-        self.potential = _as_distributed(model, config)
+        self.potential = _as_pipeline(model)
         self.config = self.potential.config
         self.integrator = integrator
         self.reporters = list(reporters)
@@ -133,7 +122,6 @@ class Simulation:
         path: str | Path,
         model,
         integrator: Integrator,
-        config: DomainConfig | None = None,
         reporters=(),
         checkpoint: str | Path | None = None,
         checkpoint_every: int = 0,
@@ -147,7 +135,7 @@ class Simulation:
         """
         state = load_checkpoint(path) if _rank() == 0 else None
         system = checkpoint_system(state, device=device) if state is not None else None
-        sim = cls(model, system, integrator, config, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
+        sim = cls(model, system, integrator, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
         head = None
         if state is not None:
             head = {"step": state["step"], "time": state["time"], "integrator": state["integrator"]}

@@ -246,12 +246,12 @@ def _distributed_worker(grid: tuple[int, int, int]):
     """One rank: scatter, evaluate, gather the forces."""
     import torch.distributed as dist
 
-    from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+    from halopipe.distributed import DomainConfig, ShardedSystem
 
     system, model = _distributed_setup()
     config = DomainConfig(grid=grid)
     sharded = ShardedSystem.scatter(system if dist.get_rank() == 0 else None, config)
-    out = DistributedPipeline(Pipeline([Group([Step(model)], autograd=True)]), config)(sharded, stress=True)
+    out = Pipeline([model], config=config)(sharded, stress=True)
     return float(out["energy"]), sharded.gather(out["forces"]).numpy(), out["stress"].numpy()
 
 
