@@ -66,7 +66,12 @@ def test_forces_and_stress_equal_ase_numerical_derivatives():
 def test_calc_survives_changes_of_atom_count_and_cell():
     atoms, ref = pair(argon())
     assert_same(atoms, ref)
-    for change in (lambda a: a.pop(5), lambda a: a.set_cell(a.cell * 1.03, scale_atoms=True), lambda a: a.extend(Atoms("Ar", [[1.0, 1.2, 0.9]]))):
+    changes = (
+        lambda a: a.pop(5),
+        lambda a: a.set_cell(a.cell * 1.03, scale_atoms=True),
+        lambda a: a.extend(Atoms("Ar", [[1.0, 1.2, 0.9]])),
+    )
+    for change in changes:
         change(atoms)
         change(ref)
         assert_same(atoms, ref)
