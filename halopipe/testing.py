@@ -161,6 +161,6 @@ def _rotate_fields(fields: dict, rot: torch.Tensor) -> dict:
 
 def _check_fields(label: str, model, got: dict, ref: dict, atol: float, report: dict) -> None:
     for name in sorted(model.outputs):
-        a, b = got[name], ref[name]
+        a, b = got["fields"][name], ref["fields"][name]
         if a.ndim == 1:
             _close(f"{label}_{name}", a, b, atol * max(1.0, float(b.abs().max())), 0.0, report)
