@@ -10,6 +10,10 @@ their owners, differentiably; ``fold_ghosts`` is its adjoint.
 cell, ghosts are the periodic images of the atoms themselves. The distributed
 domain (``halopipe.distributed.sharded``) implements the same interface with a
 halo exchange between ranks, so pipelines and models run unchanged on both.
+
+:class:`DomainConfig` says how a domain is built (skin, brick grid, halo
+mode, timeout); a pipeline holds one and every domain it runs on must agree
+with it.
 """
 
 from __future__ import annotations

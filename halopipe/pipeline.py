@@ -258,9 +258,6 @@ class Pipeline(torch.nn.Module):
             return _gathered(self._evaluate_on(domain, stress), domain)
         if not isinstance(system, System):
             raise TypeError(f"Pipeline: expected a halopipe.System or a Domain, got {type(system).__name__}")
-        problem = self.missing_fields(system.fields)
-        if problem:
-            raise ValueError(f"Pipeline: {problem}")
         return self._evaluate_on(self._local_domain(system), stress)
 
     def _local_domain(self, system: System) -> LocalDomain:
