@@ -260,5 +260,5 @@ def test_a_model_or_a_pipeline_drives_a_simulation():
     AseVV(atoms, timestep=2.0 * units.fs).run(10)
     for final in finals:
         assert np.abs(final.numpy() - atoms.positions).max() < 1e-10
-    with pytest.raises(TypeError, match="Model, Pipeline"):
+    with pytest.raises(TypeError, match="a Model or Pipeline"):
         Simulation("lj", hot_argon(), VelocityVerlet(1.0))
