@@ -95,9 +95,8 @@ def test_nearest_image_is_the_closest_candidate():
     for k in range(system.n_atoms):
         lo = np.array([bricks[k, a].item() / grid[a] for a in range(3)])
         hi = np.array([(bricks[k, a].item() + 1) / grid[a] for a in range(3)])
-        candidates = {
-            s: _slab_distance((wrapped[k].numpy() + np.array(s)) @ cell, reciprocal, lo, hi) for s in itertools.product((-1, 0, 1), repeat=3)
-        }
+        shifts = itertools.product((-1, 0, 1), repeat=3)
+        candidates = {s: _slab_distance((wrapped[k].numpy() + np.array(s)) @ cell, reciprocal, lo, hi) for s in shifts}
         best = min(candidates.values())
         assert float(dist[k]) == pytest.approx(best, abs=1e-12)
         assert candidates[tuple(images[k].tolist())] == pytest.approx(best, abs=1e-12)
@@ -105,7 +104,12 @@ def test_nearest_image_is_the_closest_candidate():
 
 @pytest.mark.parametrize(
     "lengths, world, want",
-    [((20.0, 20.0, 20.0), 8, (2, 2, 2)), ((40.0, 10.0, 10.0), 4, (4, 1, 1)), ((30.0, 30.0, 10.0), 4, (2, 2, 1)), ((10.0, 10.0, 70.0), 7, (1, 1, 7))],
+    [
+        ((20.0, 20.0, 20.0), 8, (2, 2, 2)),
+        ((40.0, 10.0, 10.0), 4, (4, 1, 1)),
+        ((30.0, 30.0, 10.0), 4, (2, 2, 1)),
+        ((10.0, 10.0, 70.0), 7, (1, 1, 7)),
+    ],
 )
 def test_choose_grid_minimises_brick_surface(lengths, world, want):
     """Analytic optima: equal bricks for a cube, slices across the long axis, no cut along a short one."""
