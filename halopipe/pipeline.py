@@ -188,6 +188,7 @@ class Pipeline(torch.nn.Module):
         if self._domain is not None and self._domain.compatible(system):
             self._domain.update(system)
         else:
+            system.check_close_contacts()  # once per new system, not at every step
             self._domain = LocalDomain(system, skin=self.skin)
             self._pair_cache = {}
         return self._domain
