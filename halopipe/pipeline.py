@@ -20,12 +20,13 @@ single process and, through ``halopipe.distributed``, across ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .domain import Domain, LocalDomain
-from .models.base import LocalView, Model
+from .models.base import LocalView, Model, NonFiniteError
 from .neighbors import owned_pairs, pair_vectors
 from .system import System
 
@@ -287,6 +288,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
+    broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
     for g, group in enumerate(pipeline.groups):
         run = _run_autograd_group if group.autograd else _run_direct_group
         f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of, ghost_positions)
@@ -294,7 +296,11 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
         virial += w
         local_energy.extend(e)
         produced.update(p)
-    totals = domain.all_reduce(torch.stack(local_energy).detach())
+        broken.append((~torch.isfinite(f).all() | ~torch.isfinite(w).all()).to(dtype))
+    # One reduction for energies and flags: every rank sees the same values and raises the same error.
+    reduced = domain.all_reduce(torch.cat([torch.stack(local_energy).detach(), torch.stack(broken)]))
+    totals = reduced[: len(local_energy)]
+    _raise_if_not_finite(pipeline, totals, reduced[len(local_energy) :])
     names = [name for row in pipeline.names for name in row]
     result = {
         "energy": totals.sum(),
@@ -306,6 +312,20 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
         result["stress"] = -result["virial"] / volume
     result.update(produced)
     return result
+
+
+def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups: torch.Tensor) -> None:
+    """:class:`~halopipe.models.NonFiniteError` naming the model whose energy, or the group whose forces, is not finite."""
+    hint = "check the structure for atoms too close together and the model's parameters"
+    names = [(name, step.model.name) for row, group in zip(pipeline.names, pipeline.groups) for name, step in zip(row, group.steps)]
+    for (name, model), value in zip(names, totals.tolist()):
+        if not math.isfinite(value):
+            label = model if name == model else f"{name} ({model})"
+            raise NonFiniteError(f"{label} returned a non-finite energy ({value}); {hint}", model)
+    for row, group, flag in zip(pipeline.names, pipeline.groups, broken_groups.tolist()):
+        if flag != 0:
+            models = ", ".join(row)
+            raise NonFiniteError(f"non-finite forces or virial from {models}; {hint}", group.steps[0].model.name if len(row) == 1 else models)
 
 
 def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
