@@ -5,7 +5,20 @@ and the dynamics built on them.
 """
 
 from .distributed import DistributedError, DistributedModel, DistributedPipeline, DomainConfig, ShardedSystem
-from .models import DFTD3, MACE, PME, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, NonFiniteError, TorchModel
+from .models import (
+    DFTD3,
+    MACE,
+    PME,
+    ChargeModel,
+    DSFCoulomb,
+    Ewald,
+    LennardJones,
+    LocalView,
+    Model,
+    ModelOutput,
+    NonFiniteError,
+    TorchModel,
+)
 from .pipeline import Group, Pipeline, Step
 from .system import System
 

@@ -325,7 +325,8 @@ def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups
     for row, group, flag in zip(pipeline.names, pipeline.groups, broken_groups.tolist()):
         if flag != 0:
             models = ", ".join(row)
-            raise NonFiniteError(f"non-finite forces or virial from {models}; {hint}", group.steps[0].model.name if len(row) == 1 else models)
+            culprit = group.steps[0].model.name if len(row) == 1 else models
+            raise NonFiniteError(f"non-finite forces or virial from {models}; {hint}", culprit)
 
 
 def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):

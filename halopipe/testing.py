@@ -177,7 +177,10 @@ def _check_fields(label: str, model, got: dict, ref: dict, atol: float, report: 
 
 
 # ----------------------------------------------------------------------------- empty views
-def _recorded(collective: Callable[[torch.Tensor], torch.Tensor], label: str, log: list, per_row: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+Collective = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _recorded(collective: Collective, label: str, log: list, per_row: bool) -> Collective:
     """``collective`` that logs each call and each time its backward runs (a gradient reaches its output).
 
     The logged shape is what must agree across ranks: the trailing shape of a

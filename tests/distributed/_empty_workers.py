@@ -43,10 +43,7 @@ def slab(bottom: float = 1.0, seed: int = 0) -> System:
 
 def pipelines(names: list[str]) -> dict[str, Pipeline]:
     """One pipeline per model (direct and autograd where a model offers both), plus wired charges."""
-    made = {}
-    for name in names:
-        made[name] = _pipeline(name)
-    return made
+    return {name: _pipeline(name) for name in names}
 
 
 def _pipeline(name: str) -> Pipeline:
@@ -78,17 +75,22 @@ def _pipeline(name: str) -> Pipeline:
     raise ValueError(name)
 
 
+def _per_rank(sharded: ShardedSystem, count: int) -> torch.Tensor:
+    """Each rank's ``count``, on every rank."""
+    return sharded.all_reduce(torch.nn.functional.one_hot(torch.tensor(sharded.rank), sharded.world_size) * count)
+
+
 def empty_rank_cases(names: list[str], bottom: float) -> dict | None:
     """Distributed vs single-process for each model; on rank 0 the differences, and what each rank owned."""
     system = slab(bottom)
     config = DomainConfig(grid=GRID, timeout=120)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
-    owned = sharded.all_reduce(torch.nn.functional.one_hot(torch.tensor(sharded.rank), sharded.world_size) * sharded.n_owned)
+    owned = _per_rank(sharded, sharded.n_owned)
     results = {"owned_per_rank": owned.tolist(), "ghosts_per_rank": {}}
     for name, pipeline in pipelines(names).items():
         with DistributedPipeline(pipeline, config) as dp:
             out = dp(sharded, stress=True)
-        ghosts = sharded.all_reduce(torch.nn.functional.one_hot(torch.tensor(sharded.rank), sharded.world_size) * sharded.ghost_count(pipeline.halo))
+        ghosts = _per_rank(sharded, sharded.ghost_count(pipeline.halo))
         forces = sharded.gather(out["forces"])
         if rank() != 0:
             continue
