@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..neighbors import owned_pairs, pair_vectors
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["MACE"]
 
@@ -125,9 +125,7 @@ class MACE(Model):
             raise ValueError(f"MACE: halo_mode must be one of {_HALO_MODES}, got {halo_mode!r}")
         self.module = module
         self.halo_mode = halo_mode
-        self.cutoff = float(module.r_max)
-        if not self.cutoff > 0:
-            raise ValueError(f"MACE: the model's r_max must be positive, got {self.cutoff}")
+        self.cutoff = check_positive_length("MACE", "the model's r_max", module.r_max)
         self.num_layers = len(module.interactions)
         self.head_index = self._head_index(module, head)
         self.species = [int(z) for z in module.atomic_numbers]
