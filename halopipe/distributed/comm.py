@@ -21,9 +21,9 @@ A peer that stalls without failing is caught by the group's timeout.
 
 Communicators with the same timeout share one process group (created on first
 use, collectively; released by ``dist.destroy_process_group()``), so scattering
-many systems does not accumulate sockets and threads. A communicator that saw a
-failure is spent: its group may hold abandoned operations, so it is dropped
-from the cache and further calls raise the failure again.
+many systems does not accumulate sockets and threads. A group that saw a
+failure is spent: it may hold abandoned operations, so it is dropped from the
+cache and its communicators raise the failure again if used.
 
 Without an initialised process group (or with one rank) every operation is
 local, so the same code serves single-process use.
@@ -78,7 +78,6 @@ class Comm:
         self.bytes_sent = 0
         self._tag = 0
         self._activity = "communication"
-        self._failure: DistributedError | None = None
         self._told = False  # has this rank counted itself as aware of the failure?
         self.device = torch.device("cpu")
         if self.distributed:
@@ -87,7 +86,8 @@ class Comm:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             # NCCL work completes on the GPU stream; polling it would synchronise every call, so only gloo polls.
             self._polled = self.backend == "gloo"
-            self.group = _shared_group(self.timeout)
+            self._shared = _shared_group(self.timeout)
+            self.group = self._shared.group
             self._store = _default_store()
 
     # ----------------------------------------------------------- collectives
@@ -202,8 +202,9 @@ class Comm:
     # ------------------------------------------------------------- internals
     def _run(self, start, p2p: bool = False) -> None:
         """Run ``start()`` (async works, or ``None`` when it blocks) and wait for the works, watching for peer failures."""
-        if self._failure is not None:
-            raise DistributedError(f"this communicator failed earlier: {self._failure}", rank=self._failure.rank)
+        spent = self._shared.failure
+        if spent is not None:
+            raise DistributedError(f"this process group failed earlier: {spent}", rank=spent.rank)
         try:
             works = start() or []
             if not self._polled:
@@ -289,9 +290,10 @@ class Comm:
             self._store.add(f"{self._prefix}/told", 1)
 
     def _spend(self, failure: DistributedError) -> None:
-        """After a failure the group may hold abandoned operations: never reuse it."""
-        self._failure = failure
-        _forget_group(self.group)
+        """After a failure the group may hold abandoned operations: no communicator may use it again."""
+        if self._shared.failure is None:
+            self._shared.failure = failure
+        _GroupCache.groups = {t: g for t, g in _GroupCache.groups.items() if g is not self._shared}
 
 
 class _Job(threading.Event):
@@ -336,25 +338,29 @@ class _P2PWaiter:
             job.set()
 
 
+class _SharedGroup:
+    """A process group shared by the communicators of one timeout, and the failure that spent it (if any)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        self.failure: DistributedError | None = None
+
+
 class _GroupCache:
-    """One process group per timeout, valid while the default group it was made from lives."""
+    """One shared group per timeout, valid while the default group it was made from lives."""
 
     world = None
-    groups: dict[float, object] = {}
+    groups: dict[float, _SharedGroup] = {}
 
 
-def _shared_group(timeout: float):
+def _shared_group(timeout: float) -> _SharedGroup:
     world = dist.distributed_c10d._get_default_group()
     if _GroupCache.world is not world:  # the default group was destroyed and created again
         _GroupCache.world, _GroupCache.groups = world, {}
-    group = _GroupCache.groups.get(timeout)
-    if group is None:
-        group = _GroupCache.groups[timeout] = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
-    return group
-
-
-def _forget_group(group) -> None:
-    _GroupCache.groups = {t: g for t, g in _GroupCache.groups.items() if g is not group}
+    shared = _GroupCache.groups.get(timeout)
+    if shared is None:
+        shared = _GroupCache.groups[timeout] = _SharedGroup(timeout)
+    return shared
 
 
 def _first_line(exc: BaseException) -> str:

@@ -111,6 +111,7 @@ def spawn(fn, nproc: int, *args, timeout: float = 300.0, backend: str = "gloo", 
     procs = [
         ctx.Process(target=_worker, args=(r, nproc, port, backend, threads, fn, args, results, lifeline), daemon=True) for r in range(nproc)
     ]
+    reports: dict[int, tuple[bool, object]] = {}
     try:
         with _signals_end_children():
             for p in procs:
@@ -118,7 +119,8 @@ def spawn(fn, nproc: int, *args, timeout: float = 300.0, backend: str = "gloo", 
             lifeline.close()
             reports = _collect(procs, results, timeout)
     finally:
-        _end(procs)
+        succeeded = len(reports) == nproc and all(ok for ok, _ in reports.values())
+        _end(procs, patience=5.0 if succeeded else 1.0)  # ranks that succeeded are shutting down their groups
         lifeline_end.close()
     return _outcome(reports, nproc, timeout)
 
@@ -170,9 +172,9 @@ def _outcome(reports: dict[int, tuple[bool, object]], nproc: int, timeout: float
     return [reports[r][1] for r in range(nproc)]
 
 
-def _end(procs) -> None:
-    """Give ranks a moment to exit by themselves, then terminate, then kill."""
-    deadline = time.monotonic() + 1.0
+def _end(procs, patience: float) -> None:
+    """Give ranks ``patience`` seconds to exit by themselves, then terminate, then kill."""
+    deadline = time.monotonic() + patience
     for p in procs:
         if p.pid is not None:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -63,5 +63,5 @@ def test_a_stalled_rank_does_not_hang_the_launcher_without_a_timeout(tmp_path):
 def test_after_a_failure_a_new_scatter_communicates_correctly():
     r = spawn(evaluate_after_a_failure, 2, timeout=180)[0]
     assert r["message"].startswith("rank 1 failed during a step that fails on rank 1: ValueError: failed on purpose"), r
-    assert "failed earlier" in r["spent"], r  # the spent communicator refuses further use
+    assert "failed earlier" in r["spent"], r  # the spent group refuses further use
     assert r["energy_rel"] < 1e-12 and r["force"] < 1e-10, r
