@@ -44,6 +44,7 @@ __all__ = ["Comm", "DistributedError", "GlobalSum"]
 
 POLL_SECONDS = 0.05  # a wait longer than this checks the store for peer failures, then every POLL_SECONDS
 REPORT_GRACE_SECONDS = 1.0  # after a communication error, how long to look for a peer's reported cause
+CONNECT_SECONDS = 300.0  # how long creating a group waits for the other ranks (operations then use the timeout)
 
 
 class DistributedError(RuntimeError):
@@ -241,7 +242,7 @@ class Comm:
 
     def _wait_p2p(self, works) -> None:
         """A timed wait on a gloo send/recv closes the connection, so a helper thread waits while this one checks the store."""
-        job = _P2PWaiter.submit(works)
+        job = _P2PWaiter.submit(works, datetime.timedelta(seconds=self.timeout))
         while not job.wait(POLL_SECONDS):
             try:
                 self._raise_reported_failure()
@@ -299,9 +300,9 @@ class Comm:
 class _Job(threading.Event):
     """Point-to-point works handed to the waiter thread; set when all completed (``error`` if one failed)."""
 
-    def __init__(self, works) -> None:
+    def __init__(self, works, timeout: datetime.timedelta) -> None:
         super().__init__()
-        self.works, self.error = works, None
+        self.works, self.timeout, self.error = works, timeout, None
 
 
 class _P2PWaiter:
@@ -314,11 +315,11 @@ class _P2PWaiter:
     jobs: queue.SimpleQueue | None = None
 
     @classmethod
-    def submit(cls, works) -> _Job:
+    def submit(cls, works, timeout: datetime.timedelta) -> _Job:
         if cls.jobs is None:
             cls.jobs = queue.SimpleQueue()
             threading.Thread(target=cls._serve, args=(cls.jobs,), name="halopipe-p2p-waiter", daemon=True).start()
-        job = _Job(works)
+        job = _Job(works, timeout)
         cls.jobs.put(job)
         return job
 
@@ -332,7 +333,7 @@ class _P2PWaiter:
             job = jobs.get()
             try:
                 for work in job.works:
-                    work.wait()
+                    work.wait(timeout=job.timeout)  # else send/recv would wait the group's (longer) connect timeout
             except Exception as exc:
                 job.error = exc
             job.set()
@@ -342,7 +343,12 @@ class _SharedGroup:
     """A process group shared by the communicators of one timeout, and the failure that spent it (if any)."""
 
     def __init__(self, timeout: float) -> None:
-        self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        if dist.get_backend() == "gloo":
+            # Joining waits as long as joining the default group did: a rank may arrive late from reading its input.
+            self.group = dist.new_group(timeout=datetime.timedelta(seconds=max(timeout, CONNECT_SECONDS)))
+            self.group.set_timeout(datetime.timedelta(seconds=timeout))
+        else:
+            self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
         self.failure: DistributedError | None = None
 
 
