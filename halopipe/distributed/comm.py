@@ -66,11 +66,7 @@ class Comm:
     timeout : seconds a rank waits for a peer before failing.
     """
 
-    _created = 0  # communicators are created collectively, so this count agrees across ranks
-
     def __init__(self, timeout: float = 120.0) -> None:
-        Comm._created += 1
-        self._prefix = f"halopipe/{Comm._created}"
         self.timeout = float(timeout)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -79,7 +75,6 @@ class Comm:
         self.bytes_sent = 0
         self._tag = 0
         self._activity = "communication"
-        self._told = False  # has this rank counted itself as aware of the failure?
         self.device = torch.device("cpu")
         if self.distributed:
             self.backend = dist.get_backend()
@@ -89,6 +84,7 @@ class Comm:
             self._polled = self.backend == "gloo"
             self._shared = _shared_group(self.timeout)
             self.group = self._shared.group
+            self._prefix = self._shared.prefix  # store keys of this group's failure reports
             self._store = _default_store()
 
     # ----------------------------------------------------------- collectives
@@ -286,8 +282,8 @@ class Comm:
             time.sleep(POLL_SECONDS)
 
     def _count_as_told(self) -> None:
-        if not self._told:
-            self._told = True
+        if not self._shared.told:
+            self._shared.told = True
             self._store.add(f"{self._prefix}/told", 1)
 
     def _spend(self, failure: DistributedError) -> None:
@@ -342,7 +338,12 @@ class _P2PWaiter:
 class _SharedGroup:
     """A process group shared by the communicators of one timeout, and the failure that spent it (if any)."""
 
+    created = 0  # groups are created collectively, so this count agrees across ranks
+
     def __init__(self, timeout: float) -> None:
+        _SharedGroup.created += 1
+        self.prefix = f"halopipe/{_SharedGroup.created}"
+        self.told = False  # has this rank counted itself as aware of the failure?
         if dist.get_backend() == "gloo":
             # Joining waits as long as joining the default group did: a rank may arrive late from reading its input.
             self.group = dist.new_group(timeout=datetime.timedelta(seconds=max(timeout, CONNECT_SECONDS)))
