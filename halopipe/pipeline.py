@@ -236,9 +236,12 @@ def build_view(
             del pair_cache[old]
         candidates = owned_pairs(rows.detach(), n, model.cutoff + domain.skin)
         pair_cache[cache_key] = candidates
-    vec, dist = pair_vectors(rows, candidates)
-    keep = dist.detach() <= model.cutoff
-    pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
+    if getattr(model, "pairs_with_skin", False):
+        pairs, vec, dist = candidates, None, None  # the model masks by its cutoff itself: no per-step compaction
+    else:
+        vec, dist = pair_vectors(rows, candidates)
+        keep = dist.detach() <= model.cutoff
+        pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
     inputs = {name: refresh(fields[step.source_of(name)]) for name in sorted(model.inputs)}
     return LocalView(
         positions=rows,

@@ -39,8 +39,12 @@ class LocalView:
     n_owned : number of owned rows.
     cell, pbc : the global cell (rows are lattice vectors) and periodicity.
     pairs : (2, P) directed pairs ``(i, j)`` with ``i < n_owned`` and
-        ``|r_j - r_i| <= cutoff`` (the model's cutoff).
-    vectors, distances : ``r_j - r_i`` and its length, differentiable.
+        ``|r_j - r_i| <= cutoff`` (the model's cutoff). For a model with
+        ``pairs_with_skin = True``: the candidates within ``cutoff + skin``,
+        the same tensor object until the next rebuild (so the model may cache
+        what it derives from them), and it masks by its cutoff itself.
+    vectors, distances : ``r_j - r_i`` and its length, differentiable (None
+        for a model with ``pairs_with_skin``).
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
@@ -54,8 +58,8 @@ class LocalView:
     cell: torch.Tensor
     pbc: torch.Tensor
     pairs: torch.Tensor
-    vectors: torch.Tensor
-    distances: torch.Tensor
+    vectors: torch.Tensor | None
+    distances: torch.Tensor | None
     fields: dict[str, torch.Tensor]
     refresh: Callable[[torch.Tensor], torch.Tensor]
     global_sum: Callable[[torch.Tensor], torch.Tensor]
@@ -96,7 +100,8 @@ class Model(torch.nn.Module):
     Subclasses set ``cutoff`` (Å, the neighbour list the model needs), and may
     set ``inputs`` / ``outputs`` (names of per-atom fields consumed / produced),
     ``direct_forces`` (True if :meth:`forward` can return forces and virial
-    without autograd) and override :attr:`halo` when ghost atoms further than
+    without autograd), ``pairs_with_skin`` (True to receive the neighbour-list
+    candidates unfiltered, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
     the cutoff are needed.
     """
 
@@ -104,6 +109,7 @@ class Model(torch.nn.Module):
     inputs: frozenset[str] = frozenset()
     outputs: frozenset[str] = frozenset()
     direct_forces: bool = False
+    pairs_with_skin: bool = False
 
     @property
     def halo(self) -> float:
