@@ -26,7 +26,7 @@ import torch
 
 from .domain import Domain, LocalDomain
 from .models.base import LocalView, Model
-from .neighbors import owned_pairs, pair_vectors
+from .neighbors import owned_half_pairs, owned_pairs, pair_vectors
 from .system import System
 
 __all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view"]
@@ -234,10 +234,11 @@ def build_view(
     if candidates is None:
         for old in [k for k in pair_cache if k[0] == key]:
             del pair_cache[old]
-        candidates = owned_pairs(rows.detach(), n, model.cutoff + domain.skin)
+        search = owned_half_pairs if getattr(model, "half_list", False) else owned_pairs
+        candidates = search(rows.detach(), n, model.cutoff + domain.skin)
         pair_cache[cache_key] = candidates
-    if getattr(model, "pairs_with_skin", False):
-        pairs, vec, dist = candidates, None, None  # the model masks by its cutoff itself: no per-step compaction
+    if getattr(model, "half_list", False):
+        pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
     else:
         vec, dist = pair_vectors(rows, candidates)
         keep = dist.detach() <= model.cutoff

@@ -1,8 +1,8 @@
 """Lennard-Jones on a half list: each unordered pair once, Newton's third law.
 
-A view's candidate list (built at ``cutoff + skin``, unchanged until the next
-rebuild) holds each owned-owned pair twice and each owned-ghost pair once.
-:class:`HalfList` keeps one direction of the owned-owned pairs and, per pair,
+A view's half candidate list (built at ``cutoff + skin``, unchanged until the
+next rebuild; see :func:`halopipe.neighbors.owned_half_pairs`) holds each
+owned-owned and each owned-ghost pair once. :class:`HalfList` adds, per pair,
 the index of its species pair in small parameter tables; it is built once per
 rebuild. Every step then reads the candidates once: pairs beyond the cutoff
 are skipped inside the kernel (no compaction), with ``r^2`` only (no square
@@ -48,11 +48,9 @@ class HalfList:
     ptype: torch.Tensor
 
     @staticmethod
-    def from_candidates(candidates: torch.Tensor, n_owned: int, species_index: torch.Tensor, n_species: int) -> HalfList:
-        """Keep ``(i, j)`` with ``j`` a ghost or ``i < j``; ``species_index`` maps each row to 0..n_species-1."""
-        i, j = candidates[0], candidates[1]
-        keep = (j >= n_owned) | (i < j)
-        first, second = i[keep], j[keep]
+    def from_pairs(pairs: torch.Tensor, species_index: torch.Tensor, n_species: int) -> HalfList:
+        """From a half list (2, P); ``species_index`` maps each row to 0..n_species-1."""
+        first, second = pairs[0], pairs[1]
         ptype = species_index[first] * n_species + species_index[second]
         as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731 - Warp kernels index with int32
         return HalfList(as32(first), as32(second), as32(ptype))

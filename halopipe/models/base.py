@@ -40,11 +40,12 @@ class LocalView:
     cell, pbc : the global cell (rows are lattice vectors) and periodicity.
     pairs : (2, P) directed pairs ``(i, j)`` with ``i < n_owned`` and
         ``|r_j - r_i| <= cutoff`` (the model's cutoff). For a model with
-        ``pairs_with_skin = True``: the candidates within ``cutoff + skin``,
+        ``half_list = True``: each unordered pair within ``cutoff + skin``
+        with an owned end once, owned end first (owned-owned pairs once),
         the same tensor object until the next rebuild (so the model may cache
-        what it derives from them), and it masks by its cutoff itself.
+        what it derives from them); the model masks by its cutoff itself.
     vectors, distances : ``r_j - r_i`` and its length, differentiable (None
-        for a model with ``pairs_with_skin``).
+        for a model with ``half_list``).
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
@@ -100,8 +101,8 @@ class Model(torch.nn.Module):
     Subclasses set ``cutoff`` (Å, the neighbour list the model needs), and may
     set ``inputs`` / ``outputs`` (names of per-atom fields consumed / produced),
     ``direct_forces`` (True if :meth:`forward` can return forces and virial
-    without autograd), ``pairs_with_skin`` (True to receive the neighbour-list
-    candidates unfiltered, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
+    without autograd), ``half_list`` (True to receive the unfiltered half
+    candidate list, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
     the cutoff are needed.
     """
 
@@ -109,7 +110,7 @@ class Model(torch.nn.Module):
     inputs: frozenset[str] = frozenset()
     outputs: frozenset[str] = frozenset()
     direct_forces: bool = False
-    pairs_with_skin: bool = False
+    half_list: bool = False
 
     @property
     def halo(self) -> float:

@@ -7,9 +7,9 @@ mixed by Lorentz-Berthelot (``sigma_ij = (sigma_i + sigma_j)/2``,
 its energy to each of its atoms.
 
 The work runs in a compiled half-list kernel (:mod:`halopipe.kernels`): the
-model takes the view's candidate list at ``cutoff + skin``, keeps each
-unordered pair once and looks up species-pair parameters once per neighbour
-list rebuild; each step the kernel skips candidates beyond the cutoff.
+model takes the view's half candidate list at ``cutoff + skin`` (each pair
+once) and looks up species-pair parameters once per neighbour-list rebuild;
+each step the kernel skips candidates beyond the cutoff.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class LennardJones(Model):
     """
 
     direct_forces = True
-    pairs_with_skin = True
+    half_list = True
 
     def __init__(self, epsilon=0.0103, sigma=3.4, cutoff: float = 8.5, shift: bool = True) -> None:
         super().__init__()
@@ -78,7 +78,7 @@ class LennardJones(Model):
         self.register_buffer("epsilon", eps)
         self.register_buffer("sigma", sig)
         self.register_buffer("known", k1 & k2)
-        self._cached: tuple | None = None  # (candidates, n_owned, HalfList, LJTables) of the last rebuild
+        self._cached: tuple | None = None  # (candidates, HalfList, LJTables) of the last rebuild
 
     def _tables(self, species: torch.Tensor, dtype: torch.dtype) -> LJTables:
         """Kernel parameter tables over the species pairs present, flattened ``(zi, zj) -> zi * S + zj``."""
@@ -93,17 +93,17 @@ class LennardJones(Model):
     def _half_list(self, view: LocalView) -> tuple[HalfList, LJTables]:
         """Half list and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
         cached = self._cached
-        if cached is not None and cached[0] is view.pairs and cached[1] == view.n_owned:
-            return cached[2], cached[3]
+        if cached is not None and cached[0] is view.pairs:
+            return cached[1], cached[2]
         zi, zj = view.numbers[view.pairs[0]], view.numbers[view.pairs[1]]
         missing = ~self.known[zi, zj]
         if bool(missing.any()):
             bad = int(missing.nonzero()[0])
             raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
         species, species_index = torch.unique(view.numbers, return_inverse=True)
-        half = HalfList.from_candidates(view.pairs, view.n_owned, species_index, int(species.numel()))
+        half = HalfList.from_pairs(view.pairs, species_index, int(species.numel()))
         tables = self._tables(species, view.positions.dtype)
-        self._cached = (view.pairs, view.n_owned, half, tables)
+        self._cached = (view.pairs, half, tables)
         return half, tables
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
