@@ -47,6 +47,7 @@ __all__ = [
     "require_periodic",
     "half_space_kvectors",
     "reciprocal_energies",
+    "kspace_weights",
 ]
 
 # Upper bound on (owned atoms x k-vectors) elements held at once by Ewald; above it
@@ -169,31 +170,36 @@ def half_space_kvectors(cell: torch.Tensor, kmax: float) -> torch.Tensor:
     return n[keep] @ recip
 
 
-def reciprocal_energies(
-    positions: torch.Tensor, q_owned: torch.Tensor, cell: torch.Tensor, alpha: float, kmax: float, global_sum, n_total: int
-) -> torch.Tensor:
-    """Per-owned-atom reciprocal-space Ewald energy (see the module docstring).
-
-    ``positions`` are the owned rows (any lattice image). ``global_sum`` adds
-    the ranks' partial structure factors; ``n_total`` (atoms on all ranks)
-    sizes the k-vector chunks identically on every rank.
-    """
+def kspace_weights(cell: torch.Tensor, alpha: float, kmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-space k-vectors (M, 3) and their weights ``k_e 4 pi / V exp(-k^2 / 4 alpha^2) / k^2`` (M,)."""
     volume = torch.linalg.det(cell).abs()
     k = half_space_kvectors(cell, kmax)
     k2 = (k * k).sum(dim=1)
     # Half space: the (k, -k) pair doubles 2 pi / V into 4 pi / V.
-    weight = (4.0 * math.pi * COULOMB_CONSTANT) * torch.exp(-k2 / (4.0 * alpha * alpha)) / k2 / volume
+    return k, (4.0 * math.pi * COULOMB_CONSTANT) * torch.exp(-k2 / (4.0 * alpha * alpha)) / k2 / volume
+
+
+def reciprocal_energies(
+    positions: torch.Tensor, q_owned: torch.Tensor, k: torch.Tensor, weight: torch.Tensor, global_sum, chunk: int
+) -> torch.Tensor:
+    """Per-owned-atom reciprocal-space Ewald energy (see the module docstring).
+
+    ``positions`` are the owned rows (any lattice image); ``k`` and ``weight``
+    come from :func:`kspace_weights`. The phases are formed ``chunk``
+    k-vectors at a time (bounding the transient memory); the ranks' partial
+    structure factors of all chunks cross ranks in one ``global_sum``.
+    """
+    starts = range(0, max(k.shape[0], 1), chunk)
+    trig = []
+    for start in starts:
+        phase = positions @ k[start : start + chunk].transpose(0, 1)  # (n_owned, chunk)
+        trig.append((torch.cos(phase), torch.sin(phase)))
+    local = torch.cat([torch.stack([q_owned @ cos, q_owned @ sin]) for cos, sin in trig], dim=1)
+    s = global_sum(local)  # Re and Im of S(k), all k at once
     energies = q_owned.new_zeros(q_owned.shape[0])
-    # Every rank runs the same number of chunks (k-vectors depend only on the
-    # global cell, the chunk size on the global atom count), so the collective
-    # global_sum calls match across ranks.
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, n_total))
-    for start in range(0, max(k.shape[0], 1), chunk):
-        kc, wc = k[start : start + chunk], weight[start : start + chunk]
-        phase = positions @ kc.transpose(0, 1)  # (n_owned, chunk)
-        cos, sin = torch.cos(phase), torch.sin(phase)
-        s = global_sum(torch.stack([q_owned @ cos, q_owned @ sin]))  # Re and Im of S(k)
-        energies = energies + q_owned * ((cos * s[0] + sin * s[1]) @ wc)
+    for start, (cos, sin) in zip(starts, trig):
+        end = start + cos.shape[1]
+        energies = energies + q_owned * ((cos * s[0, start:end] + sin * s[1, start:end]) @ weight[start:end])
     return energies
 
 
@@ -253,7 +259,20 @@ class Ewald(SplitCoulomb):
 
     def __init__(self, cutoff: float = 10.0, accuracy: float = 1e-6, alpha: float | None = None, kmax: float | None = None) -> None:
         super().__init__(cutoff, accuracy, alpha, kmax)
+        self._kcache: tuple | None = None  # (cell, k, weight) for the last constant cell
+
+    def _kspace(self, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k-vectors and weights, reused while the cell is unchanged (a strained cell with a graph gets fresh ones)."""
+        cached = self._kcache
+        if cached is not None and not cell.requires_grad and cached[0].dtype == cell.dtype and cached[0].device == cell.device:
+            if torch.equal(cached[0], cell):
+                return cached[1], cached[2]
+        k, weight = kspace_weights(cell, self.alpha, self.kmax)
+        if not cell.requires_grad:
+            self._kcache = (cell.detach().clone(), k, weight)
+        return k, weight
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
-        positions = view.positions[: view.n_owned]
-        return reciprocal_energies(positions, q_owned, view.cell, self.alpha, self.kmax, view.global_sum, view.n_total)
+        k, weight = self._kspace(view.cell)
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, view.n_owned))
+        return reciprocal_energies(view.positions[: view.n_owned], q_owned, k, weight, view.global_sum, chunk)
