@@ -259,6 +259,7 @@ def build_view(
         n_total=domain.n_total,
         ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
         cutoff=float(model.cutoff),
+        half_list=vec is None,
     )
 
 

@@ -6,9 +6,12 @@ import torch
 from ase.build import bulk
 from ase.calculators.lj import LennardJones as AseLJ
 
-from halopipe import Group, LennardJones, Pipeline, System
+from halopipe import ChargeModel, Ewald, Group, LennardJones, Pipeline, Step, System
 from halopipe.kernels import backend as kernel_backend_module
+from halopipe.kernels import ewald as ewald_kernels
 from halopipe.kernels import lennard_jones as lj_kernels
+from halopipe.kernels import pairs as pair_kernels
+from halopipe.models.coulomb import COULOMB_CONSTANT
 from halopipe.neighbors import owned_half_pairs, owned_pairs
 from halopipe.testing import check_model
 
@@ -18,12 +21,12 @@ def backend(request, monkeypatch):
     """Run a test once with each kernel technology (Warp skipped where it does not load)."""
     monkeypatch.setenv("HALOPIPE_KERNELS", request.param)
     kernel_backend_module.warp_module.cache_clear()
-    lj_kernels._warp_kernel.cache_clear()
-    if request.param == "warp" and lj_kernels._warp_kernel() is None:
+    pair_kernels.warp_kernel.cache_clear()
+    if request.param == "warp" and pair_kernels.warp_kernel("lj_half_list") is None:
         pytest.skip("NVIDIA Warp is not available here")
     yield request.param
     kernel_backend_module.warp_module.cache_clear()
-    lj_kernels._warp_kernel.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()
 
 
 def _argon(repeat=2, seed=3):
@@ -52,7 +55,7 @@ def test_weighted_backward_matches_autograd_of_pair_formula(backend):
     rows = torch.tensor(atoms.positions, dtype=torch.float64)
     n = rows.shape[0]
     pairs = owned_half_pairs(rows, n, 4.5)
-    half = lj_kernels.HalfList.from_pairs(pairs, torch.zeros(n, dtype=torch.int64), 1)
+    half = pair_kernels.HalfList.from_pairs(pairs, n, True, torch.zeros(pairs.shape[1], dtype=torch.int64))
     model = LennardJones(0.0103, 3.4, 4.0)
     tables = model._tables(torch.tensor([18]), torch.float64)
     weights = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
@@ -84,9 +87,45 @@ def test_half_list_holds_each_owned_pair_once():
 
 def test_empty_view_gives_zero_energy(backend):
     rows = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
-    half = lj_kernels.HalfList.from_pairs(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), 1)
+    half = pair_kernels.HalfList.from_pairs(torch.zeros(2, 0, dtype=torch.int64), 0, True, torch.zeros(0, dtype=torch.int64))
     tables = LennardJones()._tables(torch.tensor([18]), torch.float64)
     e = lj_kernels.lj_energies_autograd(rows, half, tables, 0)
     assert e.shape == (0,)
     (g,) = torch.autograd.grad(e.sum() + 0.0 * rows.sum(), rows)
     assert g.shape == (0, 3)
+
+
+def test_check_model_of_wired_ewald_with_each_backend(backend, nacl):
+    """Forces, stress and the wired chain term dE/dq dq/dr through the real-space kernel, by finite differences."""
+    from halopipe.testing import finite_difference_forces
+
+    pipe = Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(Ewald(cutoff=5.0, accuracy=1e-8))], autograd=True)])
+    out = pipe(nacl)
+    fd = finite_difference_forces(pipe, nacl, [0, 5, 11])
+    torch.testing.assert_close(out["forces"][[0, 5, 11]], fd, rtol=0, atol=1e-6)
+    check_model(Ewald(cutoff=5.0, accuracy=1e-8), nacl)
+
+
+def test_real_space_weighted_backward_matches_autograd(backend):
+    """Gradients of sum_i w_i e_i to positions and charges (kernel recompute path) against plain torch autograd."""
+    atoms = _argon(repeat=1)
+    rows = torch.tensor(atoms.positions, dtype=torch.float64)
+    n = rows.shape[0]
+    charges = torch.linspace(-1.0, 1.2, n, dtype=torch.float64)
+    weights = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+    alpha, cutoff = 0.6, 4.0
+    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows, n, cutoff + 0.5), n, True)
+
+    x, q = rows.clone().requires_grad_(True), charges.clone().requires_grad_(True)
+    e = ewald_kernels.real_space_energies_autograd(x, q, half, cutoff, alpha, COULOMB_CONSTANT, n)
+    got = torch.autograd.grad((e * weights).sum(), [x, q])
+
+    y, p = rows.clone().requires_grad_(True), charges.clone().requires_grad_(True)
+    full = owned_pairs(rows, n, cutoff)
+    r = (y[full[1]] - y[full[0]]).norm(dim=1)
+    u = COULOMB_CONSTANT * p[full[0]] * p[full[1]] * torch.erfc(alpha * r) / r
+    ref_e = torch.zeros(n, dtype=torch.float64).index_add(0, full[0], 0.5 * u)
+    want = torch.autograd.grad((ref_e * weights).sum(), [y, p])
+    torch.testing.assert_close(e.detach(), ref_e.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-12, rtol=0)

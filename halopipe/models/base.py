@@ -39,18 +39,20 @@ class LocalView:
     n_owned : number of owned rows.
     cell, pbc : the global cell (rows are lattice vectors) and periodicity.
     pairs : (2, P) directed pairs ``(i, j)`` with ``i < n_owned`` and
-        ``|r_j - r_i| <= cutoff`` (the model's cutoff). For a model with
-        ``half_list = True``: each unordered pair within ``cutoff + skin``
-        with an owned end once, owned end first (owned-owned pairs once),
-        the same tensor object until the next rebuild (so the model may cache
-        what it derives from them); the model masks by its cutoff itself.
+        ``|r_j - r_i| <= cutoff`` (the model's cutoff). When ``half_list``:
+        each unordered pair within ``cutoff + skin`` with an owned end once,
+        owned end first (owned-owned pairs once), the same tensor object
+        until the next rebuild (so the model may cache what it derives from
+        them); the model masks by its cutoff itself.
     vectors, distances : ``r_j - r_i`` and its length, differentiable (None
-        for a model with ``half_list``).
+        when ``half_list``).
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
     n_total : number of atoms in the whole system.
     ids : (R,) global atom index of each row (owner's index for ghosts).
+    half_list : ``pairs`` is a half candidate list (given to models that set
+        ``half_list = True``).
     """
 
     positions: torch.Tensor
@@ -67,6 +69,7 @@ class LocalView:
     n_total: int
     ids: torch.Tensor
     cutoff: float = 0.0
+    half_list: bool = False
 
     @property
     def n_rows(self) -> int:

@@ -12,8 +12,8 @@ constant, ``V`` the volume and ``Q = sum_i q_i``::
     E_self  = -k_e alpha / sqrt(pi) sum_i q_i^2
     E_bg    = -k_e pi Q^2 / (2 V alpha^2)      (neutralising background, Q != 0)
 
-Each owned atom receives its own share of every term: half of each directed
-real-space pair, ``q_i^2`` of the self term, ``q_i Q`` of the background term
+Each owned atom receives its own share of every term: half of each
+real-space pair (a compiled half-list kernel, :mod:`halopipe.kernels`), ``q_i^2`` of the self term, ``q_i Q`` of the background term
 and, for the reciprocal sum,
 ``e_i = k_e 4 pi / V sum_{k in half space} f(k) q_i Re[exp(-i k.r_i) S(k)]``
 (``k`` and ``-k`` give the same term, so one half of k-space is summed twice).
@@ -33,6 +33,8 @@ import math
 
 import torch
 
+from ..kernels.ewald import real_space_energies_autograd
+from ..kernels.pairs import HalfList
 from .base import LocalView, Model, ModelOutput
 from .coulomb import COULOMB_CONSTANT
 
@@ -41,7 +43,6 @@ __all__ = [
     "SplitCoulomb",
     "ewald_parameters",
     "accuracy_exponent",
-    "real_space_energies",
     "self_energies",
     "background_energies",
     "require_periodic",
@@ -120,17 +121,6 @@ def require_periodic(view: LocalView, name: str) -> None:
             f"{name}: Ewald-type sums need a cell periodic along all three axes, got pbc={view.pbc.tolist()}; "
             "use DSFCoulomb for non-periodic or slab systems"
         )
-
-
-def real_space_energies(view: LocalView, charges: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Per-owned-atom real-space energy, half of ``k_e q_i q_j erfc(alpha r)/r`` per directed pair.
-
-    ``charges`` holds all rows of the view (ghosts included).
-    """
-    i, j = view.pairs
-    r = view.distances
-    pair = (0.5 * COULOMB_CONSTANT) * charges[i] * charges[j] * torch.erfc(alpha * r) / r
-    return torch.zeros(view.n_owned, dtype=r.dtype, device=r.device).index_add(0, i, pair)
 
 
 def self_energies(q_owned: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -212,11 +202,26 @@ class SplitCoulomb(Model):
 
     inputs = frozenset({"charges"})
     direct_forces = False
+    half_list = True
 
     def __init__(self, cutoff: float, accuracy: float, alpha: float | None, kmax: float | None) -> None:
         super().__init__()
         self.alpha, self.kmax = ewald_parameters(cutoff, accuracy, alpha, kmax)
         self.cutoff, self.accuracy = float(cutoff), float(accuracy)
+        self._half: tuple | None = None  # (view pairs, HalfList) of the last rebuild
+
+    def _half_list(self, view: LocalView) -> HalfList:
+        cached = self._half
+        if cached is not None and cached[0] is view.pairs:
+            return cached[1]
+        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list)
+        self._half = (view.pairs, half)
+        return half
+
+    def real_space(self, view: LocalView, charges: torch.Tensor) -> torch.Tensor:
+        """Per-owned-atom real-space energy: half of ``k_e q_i q_j erfc(alpha r) / r`` per pair end (compiled kernel)."""
+        half = self._half_list(view)
+        return real_space_energies_autograd(view.positions, charges, half, self.cutoff, self.alpha, COULOMB_CONSTANT, view.n_owned)
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -228,7 +233,7 @@ class SplitCoulomb(Model):
         volume = torch.linalg.det(view.cell).abs()
         total_charge = view.global_sum(q_owned.sum())
         energies = (
-            real_space_energies(view, q, self.alpha)
+            self.real_space(view, q)
             + self_energies(q_owned, self.alpha)
             + background_energies(q_owned, total_charge, volume, self.alpha)
             + self.reciprocal(view, q_owned)

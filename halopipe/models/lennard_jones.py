@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernels.lennard_jones import HalfList, LJTables, lj_energies_autograd, lj_energy_forces
+from ..kernels.lennard_jones import LJTables, lj_energies_autograd, lj_energy_forces
+from ..kernels.pairs import HalfList, owned_weight
 from .base import LocalView, Model, ModelOutput, virial_from_forces
 
 __all__ = ["LennardJones"]
@@ -101,7 +102,9 @@ class LennardJones(Model):
             bad = int(missing.nonzero()[0])
             raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
         species, species_index = torch.unique(view.numbers, return_inverse=True)
-        half = HalfList.from_pairs(view.pairs, species_index, int(species.numel()))
+        n_species = int(species.numel())
+        ptype = species_index[view.pairs[0]] * n_species + species_index[view.pairs[1]]
+        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype)
         tables = self._tables(species, view.positions.dtype)
         self._cached = (view.pairs, half, tables)
         return half, tables
@@ -111,9 +114,7 @@ class LennardJones(Model):
         n = view.n_owned
         if not direct:
             return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
-        weight = torch.zeros(view.n_rows, dtype=view.positions.dtype, device=view.positions.device)
-        weight[:n] = 1.0
-        energies, forces = lj_energy_forces(view.positions, half, tables, weight)
+        energies, forces = lj_energy_forces(view.positions, half, tables, owned_weight(view.positions, n))
         # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
         centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
         return ModelOutput(energies=energies[:n], forces=forces, virial=virial_from_forces(view.positions - centre, forces))
