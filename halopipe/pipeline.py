@@ -209,7 +209,6 @@ def build_view(
     cell: torch.Tensor,
     fields: dict[str, torch.Tensor],
     pair_cache: dict,
-    key,
     ghost_positions: torch.Tensor | None = None,
 ) -> LocalView:
     """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs.
@@ -229,15 +228,18 @@ def build_view(
     def refresh(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, domain.ghost_rows(x, width)])
 
+    # One search per rebuild per distinct (rows, cutoff, kind): models with equal cutoffs and widths share it.
+    half = bool(getattr(model, "half_list", False))
+    key = (n_ghost, float(model.cutoff), half)
     cache_key = (key, domain.plan_version)
     candidates = pair_cache.get(cache_key)
     if candidates is None:
         for old in [k for k in pair_cache if k[0] == key]:
             del pair_cache[old]
-        search = owned_half_pairs if getattr(model, "half_list", False) else owned_pairs
+        search = owned_half_pairs if half else owned_pairs
         candidates = search(rows.detach(), n, model.cutoff + domain.skin)
         pair_cache[cache_key] = candidates
-    if getattr(model, "half_list", False):
+    if half:
         pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
     else:
         vec, dist = pair_vectors(rows, candidates)
@@ -325,8 +327,8 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     made: dict[str, torch.Tensor] = {}
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     shares = []
-    for k, step in enumerate(group.steps):
-        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, (g, k), ghost_positions)
+    for step in group.steps:
+        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, ghost_positions)
         out = step.model(view)
         share = out.energies.sum()
         energy = energy + share
@@ -350,9 +352,9 @@ def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress
     virial = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
     shares = []
     with torch.no_grad():
-        for k, step in enumerate(group.steps):
+        for step in group.steps:
             width = halo_of(step.model)
-            view = build_view(domain, step, width, positions, cell, static, pair_cache, (g, k), ghost_positions)
+            view = build_view(domain, step, width, positions, cell, static, pair_cache, ghost_positions)
             out = step.model(view, direct=True)
             if out.forces is None or out.virial is None:
                 raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")
