@@ -293,9 +293,9 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
-    for g, group in enumerate(pipeline.groups):
+    for group in pipeline.groups:
         run = _run_autograd_group if group.autograd else _run_direct_group
-        f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of, ghost_positions)
+        f, w, e, p = run(group, domain, static, stress, pair_cache, halo_of, ghost_positions)
         forces += f
         virial += w
         local_energy.extend(e)
@@ -314,7 +314,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     return result
 
 
-def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
+def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
     eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
@@ -345,7 +345,7 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     return forces.detach(), virial.detach(), shares, made
 
 
-def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
+def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     n = domain.n_owned
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
