@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import warp as wp
 
+# Backward passes are written by hand (the autograd Functions); skipping Warp's adjoints halves build time.
+wp.set_module_options({"enable_backward": False})
+
 
 @wp.kernel
 def lj_half_list(
