@@ -185,9 +185,9 @@ class PME(SplitCoulomb):
     an absolute target. halopipe's ``accuracy`` is the *largest* error
     relative to the *largest* force, a stricter, scale-free target. Measured
     on rattled NaCl (4,096 ions, cutoff 8 Å, largest force 4.7 eV/Å) against
-    a converged Ewald sum: ``PME(8, 1e-4)`` picks 64^3 (order 5) and has an
-    RMS error of 1.1e-5 x 14.40 eV/Å, what LAMMPS ``pppm 1e-5`` asks for
-    (LAMMPS picks a 54^3 mesh); ``PME(8, 1e-5)`` picks 120^3 and reaches
+    a converged Ewald sum: ``PME(8, 1e-4)`` picks 60^3 (order 5) and has an
+    RMS error of 1.4e-5 x 14.40 eV/Å, about what LAMMPS ``pppm 1e-5`` asks
+    for (LAMMPS picks 54^3 there); ``PME(8, 1e-5)`` picks 120^3 and reaches
     1.1e-5 of the largest force (1.5e-6 in LAMMPS's units). As a rule for
     dense monovalent ionic systems: halopipe ``accuracy`` = 10 x LAMMPS's
     accuracy gives LAMMPS's error and a comparable mesh.
