@@ -91,7 +91,8 @@ def write_configuration(case: str, path: Path) -> None:
     velocities = rng.normal(size=atoms.positions.shape) * np.sqrt(kt / masses * 9648.533212 * 1e-6)[:, None]
     velocities -= (masses[:, None] * velocities).sum(0) / masses.sum()
     charges = np.where(atoms.numbers == 11, 1.0, np.where(atoms.numbers == 17, -1.0, 0.0))
-    np.savez(path, positions=atoms.positions, cell=atoms.cell.array, numbers=atoms.numbers, masses=masses, velocities=velocities, charges=charges)
+    arrays = dict(positions=atoms.positions, cell=atoms.cell.array, numbers=atoms.numbers, masses=masses, velocities=velocities)
+    np.savez(path, charges=charges, **arrays)
 
 
 # -------------------------------------------------------------------- halopipe worker
@@ -190,7 +191,8 @@ def lammps_worker(case: str, config: str, steps: int, out: str) -> dict:
         ]
     )
     n = len(numbers)
-    lmp.create_atoms(n, list(range(1, n + 1)), types.tolist(), pos.reshape(-1).tolist(), v=(data["velocities"] * 1000.0).reshape(-1).tolist())
+    velocities = (data["velocities"] * 1000.0).reshape(-1).tolist()  # Å/fs -> Å/ps (metal units)
+    lmp.create_atoms(n, list(range(1, n + 1)), types.tolist(), pos.reshape(-1).tolist(), v=velocities)
     for t, z in enumerate(species, start=1):
         lmp.command(f"mass {t} {data['masses'][numbers == z][0]}")
     if charge:
@@ -209,7 +211,8 @@ def lammps_worker(case: str, config: str, steps: int, out: str) -> dict:
                 f"timestep {LJ_ARGON['dt_fs'] / 1000}",
             ]
         )
-    lmp.commands_list([f"neighbor {SKIN} bin", "neigh_modify every 1 delay 0 check yes", "fix nve all nve", "thermo_style custom step pe", "run 0"])
+    lmp.commands_list([f"neighbor {SKIN} bin", "neigh_modify every 1 delay 0 check yes", "fix nve all nve", "thermo_style custom step pe"])
+    lmp.command("run 0")
     energy = lmp.get_thermo("pe")
     forces = np.array(lmp.gather_atoms("f", 1, 3)).reshape(-1, 3)  # in atom-id order
     lmp.command("run 1")
@@ -278,7 +281,8 @@ def measure(code: str, case: str, config: str, nproc: int, steps: int, workdir: 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if code == "lammps":
         env["LD_LIBRARY_PATH"] = f"{Path(peers_python).parents[1] / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
-    proc = subprocess.run(_command(code, case, config, nproc, steps, out, peers_python), capture_output=True, text=True, env=env, timeout=3600)
+    command = _command(code, case, config, nproc, steps, out, peers_python)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{code} {case} on {nproc} rank(s) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
