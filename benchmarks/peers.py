@@ -20,7 +20,7 @@ Rows and peers:
   :class:`halopipe.PME`), LAMMPS ``lj/cut/coul/long 8.0`` + ``pppm 1e-5``.
 * ``d3``: DFT-D3(BJ, PBE) at default cutoffs (50.2 Å two-body, 21.2 Å CN,
   no ATM), 864 argon atoms, one energy + forces + stress evaluation;
-  s-dftd3 (``dftd3`` Python API, ``s9=0``).
+  s-dftd3 (``dftd3`` Python API, ``atm=False``).
 
 Peers run from their own environment: ``--peers-python`` (default
 ``/work/venv-peers/bin/python``), made with::
@@ -229,13 +229,15 @@ def lammps_worker(case: str, config: str, steps: int, out: str) -> dict:
 
 def dftd3_worker(case: str, config: str, steps: int, out: str) -> dict:
     """s-dftd3 (its Python API, in halopipe's environment) on the same configuration: D3(BJ) PBE, no ATM."""
+    from ase.units import Bohr as bohr
+    from ase.units import Hartree as hartree
     from dftd3.interface import DispersionModel, RationalDampingParam
 
-    bohr = 0.52917721067
-    hartree = 27.211386245988
     data = np.load(config)
     model = DispersionModel(data["numbers"], data["positions"] / bohr, data["cell"] / bohr, np.array([True] * 3))
-    param = RationalDampingParam(method="pbe", s9=0.0)  # two-body D3(BJ), as halopipe's DFTD3 default
+    # halopipe's (and LAMMPS's) default cutoffs, in bohr: two-body sqrt(9000), CN 40 (ATM off, its cutoff unused).
+    model.set_realspace_cutoff(np.sqrt(9000.0), 40.0, 40.0)
+    param = RationalDampingParam(method="pbe", atm=False)
     result = model.get_dispersion(param, grad=True)
     t0 = time.perf_counter()
     for _ in range(steps):
