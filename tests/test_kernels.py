@@ -129,3 +129,10 @@ def test_real_space_weighted_backward_matches_autograd(backend):
     torch.testing.assert_close(e.detach(), ref_e.detach(), atol=1e-12, rtol=0)
     torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
     torch.testing.assert_close(got[1], want[1], atol=1e-12, rtol=0)
+
+
+def test_dftd3_with_each_backend_passes_check_model(backend, nacl):
+    """The compiled D3(BJ) path (CN and two-body kernels, analytic backward) by finite differences, in both groups."""
+    from halopipe import DFTD3
+
+    check_model(DFTD3("pbe", cutoff=9.0, cn_cutoff=6.0), nacl)
