@@ -81,6 +81,10 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     """
     if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
+    if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs, as owned_pairs does
+        i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
+        keep = (j >= n_owned) | (i < j)
+        return torch.stack([i[keep], j[keep]])
     nl = _VesinNeighborList(cutoff=float(cutoff), full_list=False)
     a, b = nl.compute(points=_np(rows), box=np.zeros((3, 3)), periodic=False, quantities="ij", copy=True)
     a = torch.as_tensor(a.astype(np.int64), device=rows.device)

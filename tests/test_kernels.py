@@ -136,3 +136,13 @@ def test_dftd3_with_each_backend_passes_check_model(backend, nacl):
     from halopipe import DFTD3
 
     check_model(DFTD3("pbe", cutoff=9.0, cn_cutoff=6.0), nacl)
+
+
+def test_half_list_on_a_wide_halo_matches_the_full_list():
+    """Rows far beyond 8x the owned atoms take the owned-centred cell list; still each pair once."""
+    rows = torch.tensor(_argon(repeat=3).positions, dtype=torch.float64)
+    n_owned = 12
+    half = owned_half_pairs(rows, n_owned, 6.0)
+    as_set = lambda p: {tuple(sorted(x)) for x in p.T.tolist()}  # noqa: E731
+    assert as_set(half) == as_set(owned_pairs(rows, n_owned, 6.0))
+    assert half.shape[1] == len(as_set(half)) and bool((half[0] < n_owned).all())
