@@ -210,7 +210,12 @@ class DFTD3(Model):
     -----
     The model's ``cutoff`` attribute (the neighbour list it receives, and its
     halo) is the largest of the three cutoffs; each term masks its own.
-    Forces and stress come from autograd.
+    Forces and stress come from autograd. With BJ damping and no ATM term the
+    pair work runs in compiled kernels (:mod:`halopipe.kernels.dftd3`: CN
+    and two-body passes over a half list, with analytic backward); the CN to
+    C6 weights stay in torch, so the chain rule through ghosts' refreshed CNs
+    is unchanged. Zero damping, the ATM term, and machines without Warp use
+    the torch path below.
     """
 
     direct_forces = True  # through direct_by_local_autograd: D3 depends on the cell only via positions
