@@ -4,7 +4,8 @@ Two searches are offered. :func:`neighbor_list` is the classic periodic list
 through vesin (pairs ``i, j`` and integer cell shifts ``S`` with
 ``r_ij = r_j + S @ cell - r_i``). :func:`owned_pairs` works on a local view,
 where periodic images are already explicit ghost rows: it returns every pair
-within the cutoff whose centre is an owned row. Only indices come from the
+within the cutoff whose centre is an owned row; :func:`owned_half_pairs` gives
+each such unordered pair once, for kernels that use Newton's third law. Only indices come from the
 searches; vectors and distances are recomputed
 in torch (:func:`pair_vectors`) so autograd flows through them.
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from vesin import NeighborList as _VesinNeighborList
 
-__all__ = ["neighbor_list", "owned_pairs", "owned_pairs_cell_list", "pair_vectors", "VerletList", "max_displacement"]
+__all__ = ["neighbor_list", "owned_pairs", "owned_half_pairs", "owned_pairs_cell_list", "pair_vectors", "VerletList", "max_displacement"]
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
@@ -63,15 +64,35 @@ def owned_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
     if rows.shape[0] > 8 * n_owned:
         return owned_pairs_cell_list(rows, n_owned, cutoff)
+    half = owned_half_pairs(rows, n_owned, cutoff)
+    i = torch.cat([half[0], half[1]])
+    j = torch.cat([half[1], half[0]])
+    owned = i < n_owned  # an owned-ghost pair is kept in one direction only
+    i, j = i[owned], j[owned]
+    order = torch.argsort(i * rows.shape[0] + j)  # deterministic order, grouped by centre
+    return torch.stack([i[order], j[order]])
+
+
+def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor:
+    """Each unordered pair within ``cutoff`` with at least one owned row, once, owned row first.
+
+    Owned-owned pairs appear once (not twice as in :func:`owned_pairs`), which
+    is what Newton's-third-law kernels want; no sort, so it is cheap to rebuild.
+    """
+    if rows.shape[0] < 2 or n_owned == 0:
+        return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
+    if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs, as owned_pairs does
+        i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
+        keep = (j >= n_owned) | (i < j)
+        return torch.stack([i[keep], j[keep]])
     nl = _VesinNeighborList(cutoff=float(cutoff), full_list=False)
     a, b = nl.compute(points=_np(rows), box=np.zeros((3, 3)), periodic=False, quantities="ij", copy=True)
     a = torch.as_tensor(a.astype(np.int64), device=rows.device)
     b = torch.as_tensor(b.astype(np.int64), device=rows.device)
-    fwd, bwd = a < n_owned, b < n_owned
-    i = torch.cat([a[fwd], b[bwd]])
-    j = torch.cat([b[fwd], a[bwd]])
-    order = torch.argsort(i * rows.shape[0] + j)  # deterministic order, grouped by centre
-    return torch.stack([i[order], j[order]])
+    keep = (a < n_owned) | (b < n_owned)
+    a, b = a[keep], b[keep]
+    a_first = a < n_owned
+    return torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)])
 
 
 def owned_pairs_cell_list(rows: torch.Tensor, n_owned: int, cutoff: float, max_candidates: int = 1 << 24) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 
 from .domain import Domain, DomainConfig, LocalDomain
 from .models.base import LocalView, Model, NonFiniteError
-from .neighbors import owned_pairs, pair_vectors
+from .neighbors import owned_half_pairs, owned_pairs, pair_vectors
 from .system import System
 
 __all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view", "register_decomposition", "RESERVED_NAMES"]
@@ -301,7 +301,6 @@ def build_view(
     cell: torch.Tensor,
     fields: dict[str, torch.Tensor],
     pair_cache: dict,
-    key,
     ghost_positions: torch.Tensor | None = None,
 ) -> LocalView:
     """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs.
@@ -321,16 +320,23 @@ def build_view(
     def refresh(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, domain.ghost_rows(x, width)])
 
+    # One search per rebuild per distinct (rows, cutoff, kind): models with equal cutoffs and widths share it.
+    half = bool(getattr(model, "half_list", False))
+    key = (n_ghost, float(model.cutoff), half)
     cache_key = (key, domain.plan_version)
     candidates = pair_cache.get(cache_key)
     if candidates is None:
         for old in [k for k in pair_cache if k[0] == key]:
             del pair_cache[old]
-        candidates = owned_pairs(rows.detach(), n, model.cutoff + domain.skin)
+        search = owned_half_pairs if half else owned_pairs
+        candidates = search(rows.detach(), n, model.cutoff + domain.skin)
         pair_cache[cache_key] = candidates
-    vec, dist = pair_vectors(rows, candidates)
-    keep = dist.detach() <= model.cutoff
-    pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
+    if half:
+        pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
+    else:
+        vec, dist = pair_vectors(rows, candidates)
+        keep = dist.detach() <= model.cutoff
+        pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
     inputs = {name: refresh(fields[step.source_of(name)]) for name in sorted(model.inputs)}
     return LocalView(
         positions=rows,
@@ -347,6 +353,7 @@ def build_view(
         n_total=domain.n_total,
         ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
         cutoff=float(model.cutoff),
+        half_list=vec is None,
     )
 
 
@@ -382,9 +389,9 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
-    for g, group in enumerate(pipeline.groups):
+    for group in pipeline.groups:
         run = _run_autograd_group if group.autograd else _run_direct_group
-        f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of, ghost_positions)
+        f, w, e, p = run(group, domain, static, stress, pair_cache, halo_of, ghost_positions)
         forces += f
         virial += w
         for per_atom in e:
@@ -425,7 +432,7 @@ def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups
             raise NonFiniteError(f"non-finite forces or virial from {models}; {hint}", culprit)
 
 
-def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
+def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
     eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
@@ -438,8 +445,8 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     made: dict[str, torch.Tensor] = {}
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     per_atom_energies = []
-    for k, step in enumerate(group.steps):
-        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, (g, k), ghost_positions)
+    for step in group.steps:
+        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, ghost_positions)
         out = step.model(view)
         energy = energy + out.energies.sum()
         per_atom_energies.append(out.energies.detach())
@@ -455,16 +462,16 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     return forces.detach(), virial.detach(), per_atom_energies, made
 
 
-def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
+def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     n = domain.n_owned
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
     virial = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
     per_atom_energies = []
     with torch.no_grad():
-        for k, step in enumerate(group.steps):
+        for step in group.steps:
             width = halo_of(step.model)
-            view = build_view(domain, step, width, positions, cell, static, pair_cache, (g, k), ghost_positions)
+            view = build_view(domain, step, width, positions, cell, static, pair_cache, ghost_positions)
             out = step.model(view, direct=True)
             if out.forces is None or out.virial is None:
                 raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")

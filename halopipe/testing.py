@@ -232,7 +232,7 @@ def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
     domain = LocalDomain(system)
     domain.prepare(model.halo)
     positions = system.positions.detach()
-    full = build_view(domain, Step(model), model.halo, positions, system.cell, dict(system.fields), {}, "check_empty_view")
+    full = build_view(domain, Step(model), model.halo, positions, system.cell, dict(system.fields), {})
     views = []
     for rows in (full.n_rows, 0):
 
@@ -246,8 +246,8 @@ def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
                 numbers=full.numbers[:rows],
                 n_owned=0,
                 pairs=full.pairs[:, :0],
-                vectors=full.vectors.detach()[:0],
-                distances=full.distances.detach()[:0],
+                vectors=None if full.vectors is None else full.vectors.detach()[:0],  # half lists carry no vectors
+                distances=None if full.distances is None else full.distances.detach()[:0],
                 fields={k: v.detach()[:rows] for k, v in full.fields.items()},
                 refresh=refresh,
                 global_sum=lambda x: x,

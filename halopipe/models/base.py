@@ -63,13 +63,20 @@ class LocalView:
     n_owned : number of owned rows.
     cell, pbc : the global cell (rows are lattice vectors) and periodicity.
     pairs : (2, P) directed pairs ``(i, j)`` with ``i < n_owned`` and
-        ``|r_j - r_i| <= cutoff`` (the model's cutoff).
-    vectors, distances : ``r_j - r_i`` and its length, differentiable.
+        ``|r_j - r_i| <= cutoff`` (the model's cutoff). When ``half_list``:
+        each unordered pair within ``cutoff + skin`` with an owned end once,
+        owned end first (owned-owned pairs once), the same tensor object
+        until the next rebuild (so the model may cache what it derives from
+        them); the model masks by its cutoff itself.
+    vectors, distances : ``r_j - r_i`` and its length, differentiable (None
+        when ``half_list``).
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
     n_total : number of atoms in the whole system.
     ids : (R,) global atom index of each row (owner's index for ghosts).
+    half_list : ``pairs`` is a half candidate list (given to models that set
+        ``half_list = True``).
     """
 
     positions: torch.Tensor
@@ -78,14 +85,15 @@ class LocalView:
     cell: torch.Tensor
     pbc: torch.Tensor
     pairs: torch.Tensor
-    vectors: torch.Tensor
-    distances: torch.Tensor
+    vectors: torch.Tensor | None
+    distances: torch.Tensor | None
     fields: dict[str, torch.Tensor]
     refresh: Callable[[torch.Tensor], torch.Tensor]
     global_sum: Callable[[torch.Tensor], torch.Tensor]
     n_total: int
     ids: torch.Tensor
     cutoff: float = 0.0
+    half_list: bool = False
 
     @property
     def n_rows(self) -> int:
@@ -116,7 +124,8 @@ class Model(torch.nn.Module):
     Subclasses set ``cutoff`` (Å, the neighbour list the model needs), and may
     set ``inputs`` / ``outputs`` (names of per-atom fields consumed / produced),
     ``direct_forces`` (True if :meth:`forward` can return forces and virial
-    without autograd) and override :attr:`halo` when ghost atoms further than
+    without autograd), ``half_list`` (True to receive the unfiltered half
+    candidate list, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
     the cutoff are needed.
     """
 
@@ -124,6 +133,7 @@ class Model(torch.nn.Module):
     inputs: frozenset[str] = frozenset()
     outputs: frozenset[str] = frozenset()
     direct_forces: bool = False
+    half_list: bool = False
 
     @property
     def halo(self) -> float:
@@ -155,8 +165,11 @@ def direct_by_local_autograd(energy_fn: Callable[[LocalView], torch.Tensor], vie
     """
     with torch.enable_grad():
         rows = view.positions.detach().requires_grad_(True)
-        vectors = rows[view.pairs[1]] - rows[view.pairs[0]]
-        local = replace(view, positions=rows, vectors=vectors, distances=vectors.norm(dim=1))
+        if view.half_list:  # the model's kernels read rows directly
+            local = replace(view, positions=rows)
+        else:
+            vectors = rows[view.pairs[1]] - rows[view.pairs[0]]
+            local = replace(view, positions=rows, vectors=vectors, distances=vectors.norm(dim=1))
         energies = energy_fn(local)
         total = energies.sum() + 0.0 * rows.sum()  # keeps a graph on a rank without atoms
         (grad,) = torch.autograd.grad(total, rows)

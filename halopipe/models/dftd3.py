@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from ase import units
 
+from ..kernels.dftd3 import D3Tables, d3_coordination_numbers, d3_kernel_available, d3_two_body_autograd
+from ..kernels.pairs import HalfList
 from .base import LocalView, Model, ModelOutput, check_positive_length, direct_by_local_autograd
 
 __all__ = ["DEFAULT_ATM_CUTOFF", "DEFAULT_CN_CUTOFF", "DEFAULT_CUTOFF", "DFTD3", "known_functionals"]
@@ -149,11 +151,20 @@ class _C6:
         # above every reference keeps the highest one instead of underflowing to 0/0 (the
         # fallback s-dftd3 applies; every element with several references has one at CN 0).
         self.w = torch.softmax(logits, dim=1)
-        table = c6ref[species][:, species, :n_max, :n_max].to(cn.dtype)  # (S, S, n, n)
-        self.v = self.w.new_zeros(numbers.shape[0], species.numel(), n_max)  # (R, S, n)
-        for s in range(species.numel()):  # a loop over species present, not atoms
-            rows = (self.sidx == s).nonzero().squeeze(1)
-            self.v = self.v.index_copy(0, rows, torch.einsum("ra,tab->rtb", self.w[rows], table[s]))
+        self.species, self.n_ref = species, n_max
+        self.table = c6ref[species][:, species, :n_max, :n_max].to(cn.dtype)  # (S, S, n, n)
+        self._v: torch.Tensor | None = None
+
+    @property
+    def v(self) -> torch.Tensor:
+        """``w_i^T C6ref(Z_i, t)`` per row and species present, (R, S, n); formed on first use."""
+        if self._v is None:
+            v = self.w.new_zeros(self.w.shape[0], self.species.numel(), self.n_ref)
+            for s in range(self.species.numel()):  # a loop over species present, not atoms
+                rows = (self.sidx == s).nonzero().squeeze(1)
+                v = v.index_copy(0, rows, torch.einsum("ra,tab->rtb", self.w[rows], self.table[s]))
+            self._v = v
+        return self._v
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (self.v[a, self.sidx[b]] * self.w[b]).sum(dim=1)
@@ -199,7 +210,12 @@ class DFTD3(Model):
     -----
     The model's ``cutoff`` attribute (the neighbour list it receives, and its
     halo) is the largest of the three cutoffs; each term masks its own.
-    Forces and stress come from autograd.
+    Forces and stress come from autograd. With BJ damping and no ATM term the
+    pair work runs in compiled kernels (:mod:`halopipe.kernels.dftd3`: CN
+    and two-body passes over a half list, with analytic backward); the CN to
+    C6 weights stay in torch, so the chain rule through ghosts' refreshed CNs
+    is unchanged. Zero damping, the ATM term, and machines without Warp use
+    the torch path below.
     """
 
     direct_forces = True  # through direct_by_local_autograd: D3 depends on the cell only via positions
@@ -229,6 +245,7 @@ class DFTD3(Model):
         self.s9 = float(s9)
         self.disp2_cutoff, self.cn_cutoff, self.atm_cutoff = float(cutoff), float(cn_cutoff), float(atm_cutoff)
         self.cutoff = max(self.disp2_cutoff, self.cn_cutoff, self.atm_cutoff if self.s9 != 0.0 else 0.0)
+        self._half: tuple | None = None  # (view pairs, HalfList) of the last rebuild, compiled path
 
         d = _reference()
         z = np.arange(d["r4r2"].shape[0], dtype=np.float64)
@@ -245,6 +262,11 @@ class DFTD3(Model):
         for name, value in tensors.items():
             # Derived from the packaged file, so not part of the state dict.
             self.register_buffer(name, torch.as_tensor(value), persistent=False)
+
+    @property
+    def half_list(self) -> bool:
+        """Compiled path (BJ, no ATM, Warp available): the view brings a half list and kernels do the pair work."""
+        return self.damping == "bj" and self.s9 == 0.0 and d3_kernel_available(torch.float64)
 
     def extra_repr(self) -> str:
         return (
@@ -265,7 +287,21 @@ class DFTD3(Model):
         f8 = 1.0 / (1.0 + 6.0 * (r / (p["rs8"] * r0)) ** (-(ALP + 2.0)))
         return -(p["s6"] * c6 * f6 / r**6 + p["s8"] * c8 * f8 / r**8)
 
+    def _kernel_tables(self, c6_of: _C6, dtype: torch.dtype) -> D3Tables:
+        """Per species pair tables of the compiled BJ kernel (the same quantities as :meth:`_pair_energy`)."""
+        p = self.params
+        q = self.q[c6_of.species].to(dtype)
+        qq = 3.0 * q[:, None] * q[None, :]
+        r0 = p["a1"] * torch.sqrt(qq) + p["a2"] * units.Bohr
+        flat = lambda x: x.reshape(-1).contiguous()  # noqa: E731
+        n_species = int(c6_of.species.numel())
+        return D3Tables(flat(c6_of.table), flat(qq), flat(r0**6), flat(r0**8), n_species, c6_of.n_ref, p["s6"], p["s8"], self.disp2_cutoff)
+
     def _two_body(self, view: LocalView, c6_of: _C6, energies: torch.Tensor) -> torch.Tensor:
+        if self.damping == "bj" and d3_kernel_available(view.positions.dtype):
+            half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list)
+            tables = self._kernel_tables(c6_of, view.positions.dtype)
+            return energies + d3_two_body_autograd(view.positions, c6_of.w, c6_of.sidx, half, tables, view.n_owned)
         keep = view.distances <= self.disp2_cutoff
         i, j, r = view.pairs[0][keep], view.pairs[1][keep], view.distances[keep]
         e = self._pair_energy(r, c6_of(i, j), view.numbers[i], view.numbers[j])
@@ -311,6 +347,8 @@ class DFTD3(Model):
 
     def _energies(self, view: LocalView) -> torch.Tensor:
         self._check_numbers(view.numbers)
+        if view.half_list:
+            return self._kernel_energies(view)
         dtype = view.positions.dtype
         cn = coordination_numbers(view, self.rcov.to(dtype), self.cn_cutoff)
         c6_of = _C6(view.numbers, cn, self.c6ref, self.ref_cn, self.n_ref)
@@ -319,3 +357,16 @@ class DFTD3(Model):
         if self.s9 != 0.0:
             energies = self._three_body(view, c6_of, energies)
         return energies
+
+    def _kernel_energies(self, view: LocalView) -> torch.Tensor:
+        """Two-body D3(BJ) through the compiled kernels, in float64: CN of owned rows, refreshed to ghosts, then pairs."""
+        f64 = torch.float64
+        rows = view.positions.to(f64)
+        cached = self._half
+        if cached is None or cached[0] is not view.pairs:
+            self._half = cached = (view.pairs, HalfList.from_pairs(view.pairs, view.n_owned, True))
+        half = cached[1]
+        cn_owned = d3_coordination_numbers(rows, self.rcov[view.numbers].to(f64), half, K1, self.cn_cutoff, view.n_owned)
+        c6_of = _C6(view.numbers, view.refresh(cn_owned), self.c6ref, self.ref_cn, self.n_ref)
+        tables = self._kernel_tables(c6_of, f64)
+        return d3_two_body_autograd(rows, c6_of.w, c6_of.sidx, half, tables, view.n_owned).to(view.positions.dtype)

@@ -12,8 +12,8 @@ constant, ``V`` the volume and ``Q = sum_i q_i``::
     E_self  = -k_e alpha / sqrt(pi) sum_i q_i^2
     E_bg    = -k_e pi Q^2 / (2 V alpha^2)      (neutralising background, Q != 0)
 
-Each owned atom receives its own share of every term: half of each directed
-real-space pair, ``q_i^2`` of the self term, ``q_i Q`` of the background term
+Each owned atom receives its own share of every term: half of each
+real-space pair (a compiled half-list kernel, :mod:`halopipe.kernels`), ``q_i^2`` of the self term, ``q_i Q`` of the background term
 and, for the reciprocal sum,
 ``e_i = k_e 4 pi / V sum_{k in half space} f(k) q_i Re[exp(-i k.r_i) S(k)]``
 (``k`` and ``-k`` give the same term, so one half of k-space is summed twice).
@@ -33,6 +33,8 @@ import math
 
 import torch
 
+from ..kernels.ewald import real_space_energies_autograd
+from ..kernels.pairs import HalfList
 from .base import LocalView, Model, ModelOutput, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 
@@ -41,12 +43,12 @@ __all__ = [
     "SplitCoulomb",
     "ewald_parameters",
     "accuracy_exponent",
-    "real_space_energies",
     "self_energies",
     "background_energies",
     "require_periodic",
     "half_space_kvectors",
     "reciprocal_energies",
+    "kspace_weights",
 ]
 
 # Upper bound on (owned atoms x k-vectors) elements held at once by Ewald; above it
@@ -121,17 +123,6 @@ def require_periodic(view: LocalView, name: str) -> None:
         )
 
 
-def real_space_energies(view: LocalView, charges: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Per-owned-atom real-space energy, half of ``k_e q_i q_j erfc(alpha r)/r`` per directed pair.
-
-    ``charges`` holds all rows of the view (ghosts included).
-    """
-    i, j = view.pairs
-    r = view.distances
-    pair = (0.5 * COULOMB_CONSTANT) * charges[i] * charges[j] * torch.erfc(alpha * r) / r
-    return torch.zeros(view.n_owned, dtype=r.dtype, device=r.device).index_add(0, i, pair)
-
-
 def self_energies(q_owned: torch.Tensor, alpha: float) -> torch.Tensor:
     """``-k_e alpha / sqrt(pi) q_i^2``: removes each Gaussian's interaction with itself."""
     return (-COULOMB_CONSTANT * alpha / math.sqrt(math.pi)) * q_owned * q_owned
@@ -169,31 +160,36 @@ def half_space_kvectors(cell: torch.Tensor, kmax: float) -> torch.Tensor:
     return n[keep] @ recip
 
 
-def reciprocal_energies(
-    positions: torch.Tensor, q_owned: torch.Tensor, cell: torch.Tensor, alpha: float, kmax: float, global_sum, n_total: int
-) -> torch.Tensor:
-    """Per-owned-atom reciprocal-space Ewald energy (see the module docstring).
-
-    ``positions`` are the owned rows (any lattice image). ``global_sum`` adds
-    the ranks' partial structure factors; ``n_total`` (atoms on all ranks)
-    sizes the k-vector chunks identically on every rank.
-    """
+def kspace_weights(cell: torch.Tensor, alpha: float, kmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-space k-vectors (M, 3) and their weights ``k_e 4 pi / V exp(-k^2 / 4 alpha^2) / k^2`` (M,)."""
     volume = torch.linalg.det(cell).abs()
     k = half_space_kvectors(cell, kmax)
     k2 = (k * k).sum(dim=1)
     # Half space: the (k, -k) pair doubles 2 pi / V into 4 pi / V.
-    weight = (4.0 * math.pi * COULOMB_CONSTANT) * torch.exp(-k2 / (4.0 * alpha * alpha)) / k2 / volume
+    return k, (4.0 * math.pi * COULOMB_CONSTANT) * torch.exp(-k2 / (4.0 * alpha * alpha)) / k2 / volume
+
+
+def reciprocal_energies(
+    positions: torch.Tensor, q_owned: torch.Tensor, k: torch.Tensor, weight: torch.Tensor, global_sum, chunk: int
+) -> torch.Tensor:
+    """Per-owned-atom reciprocal-space Ewald energy (see the module docstring).
+
+    ``positions`` are the owned rows (any lattice image); ``k`` and ``weight``
+    come from :func:`kspace_weights`. The phases are formed ``chunk``
+    k-vectors at a time (bounding the transient memory); the ranks' partial
+    structure factors of all chunks cross ranks in one ``global_sum``.
+    """
+    starts = range(0, max(k.shape[0], 1), chunk)
+    trig = []
+    for start in starts:
+        phase = positions @ k[start : start + chunk].transpose(0, 1)  # (n_owned, chunk)
+        trig.append((torch.cos(phase), torch.sin(phase)))
+    local = torch.cat([torch.stack([q_owned @ cos, q_owned @ sin]) for cos, sin in trig], dim=1)
+    s = global_sum(local)  # Re and Im of S(k), all k at once
     energies = q_owned.new_zeros(q_owned.shape[0])
-    # Every rank runs the same number of chunks (k-vectors depend only on the
-    # global cell, the chunk size on the global atom count), so the collective
-    # global_sum calls match across ranks.
-    chunk = max(1, _CHUNK_ELEMENTS // max(1, n_total))
-    for start in range(0, max(k.shape[0], 1), chunk):
-        kc, wc = k[start : start + chunk], weight[start : start + chunk]
-        phase = positions @ kc.transpose(0, 1)  # (n_owned, chunk)
-        cos, sin = torch.cos(phase), torch.sin(phase)
-        s = global_sum(torch.stack([q_owned @ cos, q_owned @ sin]))  # Re and Im of S(k)
-        energies = energies + q_owned * ((cos * s[0] + sin * s[1]) @ wc)
+    for start, (cos, sin) in zip(starts, trig):
+        end = start + cos.shape[1]
+        energies = energies + q_owned * ((cos * s[0, start:end] + sin * s[1, start:end]) @ weight[start:end])
     return energies
 
 
@@ -206,6 +202,7 @@ class SplitCoulomb(Model):
 
     inputs = frozenset({"charges"})
     direct_forces = False
+    half_list = True
 
     def __init__(self, cutoff: float, accuracy: float, alpha: float | None, kmax: float | None) -> None:
         super().__init__()
@@ -215,6 +212,20 @@ class SplitCoulomb(Model):
         except ValueError as exc:
             raise ValueError(f"{self.name}: {exc}") from None
         self.cutoff, self.accuracy = float(cutoff), float(accuracy)
+        self._half: tuple | None = None  # (view pairs, HalfList) of the last rebuild
+
+    def _half_list(self, view: LocalView) -> HalfList:
+        cached = self._half
+        if cached is not None and cached[0] is view.pairs:
+            return cached[1]
+        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list)
+        self._half = (view.pairs, half)
+        return half
+
+    def real_space(self, view: LocalView, charges: torch.Tensor) -> torch.Tensor:
+        """Per-owned-atom real-space energy: half of ``k_e q_i q_j erfc(alpha r) / r`` per pair end (compiled kernel)."""
+        half = self._half_list(view)
+        return real_space_energies_autograd(view.positions, charges, half, self.cutoff, self.alpha, COULOMB_CONSTANT, view.n_owned)
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -226,7 +237,7 @@ class SplitCoulomb(Model):
         volume = torch.linalg.det(view.cell).abs()
         total_charge = view.global_sum(q_owned.sum())
         energies = (
-            real_space_energies(view, q, self.alpha)
+            self.real_space(view, q)
             + self_energies(q_owned, self.alpha)
             + background_energies(q_owned, total_charge, volume, self.alpha)
             + self.reciprocal(view, q_owned)
@@ -257,7 +268,20 @@ class Ewald(SplitCoulomb):
 
     def __init__(self, cutoff: float = 10.0, accuracy: float = 1e-6, alpha: float | None = None, kmax: float | None = None) -> None:
         super().__init__(cutoff, accuracy, alpha, kmax)
+        self._kcache: tuple | None = None  # (cell, k, weight) for the last constant cell
+
+    def _kspace(self, cell: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k-vectors and weights, reused while the cell is unchanged (a strained cell with a graph gets fresh ones)."""
+        cached = self._kcache
+        if cached is not None and not cell.requires_grad and cached[0].dtype == cell.dtype and cached[0].device == cell.device:
+            if torch.equal(cached[0], cell):
+                return cached[1], cached[2]
+        k, weight = kspace_weights(cell, self.alpha, self.kmax)
+        if not cell.requires_grad:
+            self._kcache = (cell.detach().clone(), k, weight)
+        return k, weight
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
-        positions = view.positions[: view.n_owned]
-        return reciprocal_energies(positions, q_owned, view.cell, self.alpha, self.kmax, view.global_sum, view.n_total)
+        k, weight = self._kspace(view.cell)
+        chunk = max(1, _CHUNK_ELEMENTS // max(1, view.n_owned))
+        return reciprocal_energies(view.positions[: view.n_owned], q_owned, k, weight, view.global_sum, chunk)

@@ -3,8 +3,13 @@
 ``u(r) = 4 eps [(sigma/r)^12 - (sigma/r)^6] - u(r_c)`` (shifted to zero at the
 cutoff when ``shift=True``). Parameters are per species pair; unlike pairs are
 mixed by Lorentz-Berthelot (``sigma_ij = (sigma_i + sigma_j)/2``,
-``eps_ij = sqrt(eps_i eps_j)``) unless given explicitly. Each directed pair
-``(i, j)`` with owned ``i`` gives half its energy to atom ``i``.
+``eps_ij = sqrt(eps_i eps_j)``) unless given explicitly. Each pair gives half
+its energy to each of its atoms.
+
+The work runs in a compiled half-list kernel (:mod:`halopipe.kernels`): the
+model takes the view's half candidate list at ``cutoff + skin`` (each pair
+once) and looks up species-pair parameters once per neighbour-list rebuild;
+each step the kernel skips candidates beyond the cutoff.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import LocalView, Model, ModelOutput, check_positive_length
+from ..kernels.lennard_jones import LJTables, lj_energies_autograd, lj_energy_forces
+from ..kernels.pairs import HalfList, owned_weight
+from .base import LocalView, Model, ModelOutput, check_positive_length, virial_from_forces
 
 __all__ = ["LennardJones"]
 
@@ -57,6 +64,7 @@ class LennardJones(Model):
     """
 
     direct_forces = True
+    half_list = True
 
     def __init__(self, epsilon=0.0103, sigma=3.4, cutoff: float = 8.5, shift: bool = True) -> None:
         super().__init__()
@@ -70,37 +78,42 @@ class LennardJones(Model):
         self.register_buffer("epsilon", eps)
         self.register_buffer("sigma", sig)
         self.register_buffer("known", k1 & k2)
+        self._cached: tuple | None = None  # (candidates, HalfList, LJTables) of the last rebuild
 
-    def _params(self, view: LocalView):
+    def _tables(self, species: torch.Tensor, dtype: torch.dtype) -> LJTables:
+        """Kernel parameter tables over the species pairs present, flattened ``(zi, zj) -> zi * S + zj``."""
+        eps = self.epsilon[species][:, species].reshape(-1).to(dtype)
+        sig = self.sigma[species][:, species].reshape(-1).to(dtype)
+        sig6 = sig**6
+        a12, b6 = 4.0 * eps * sig6 * sig6, 4.0 * eps * sig6
+        rc6 = self.cutoff**6
+        shift = a12 / (rc6 * rc6) - b6 / rc6 if self.shift else torch.zeros_like(a12)
+        return LJTables(a12.contiguous(), b6.contiguous(), shift.contiguous(), self.cutoff)
+
+    def _half_list(self, view: LocalView) -> tuple[HalfList, LJTables]:
+        """Half list and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
+        cached = self._cached
+        if cached is not None and cached[0] is view.pairs:
+            return cached[1], cached[2]
         zi, zj = view.numbers[view.pairs[0]], view.numbers[view.pairs[1]]
-        if not bool(self.known[zi, zj].all()):
-            bad = (~self.known[zi, zj]).nonzero()[0]
+        missing = ~self.known[zi, zj]
+        if bool(missing.any()):
+            bad = int(missing.nonzero()[0])
             raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
-        dtype = view.positions.dtype
-        return self.epsilon[zi, zj].to(dtype), self.sigma[zi, zj].to(dtype)
-
-    def pair_energy(self, r: torch.Tensor, eps: torch.Tensor, sig: torch.Tensor) -> torch.Tensor:
-        s6 = (sig / r) ** 6
-        u = 4.0 * eps * (s6 * s6 - s6)
-        if self.shift:
-            c6 = (sig / self.cutoff) ** 6
-            u = u - 4.0 * eps * (c6 * c6 - c6)
-        return u
+        species, species_index = torch.unique(view.numbers, return_inverse=True)
+        n_species = int(species.numel())
+        ptype = species_index[view.pairs[0]] * n_species + species_index[view.pairs[1]]
+        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype)
+        tables = self._tables(species, view.positions.dtype)
+        self._cached = (view.pairs, half, tables)
+        return half, tables
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
-        eps, sig = self._params(view)
-        r = view.distances
-        u = self.pair_energy(r, eps, sig)
-        energies = torch.zeros(view.n_owned, dtype=r.dtype, device=r.device).index_add(0, view.pairs[0], 0.5 * u)
+        half, tables = self._half_list(view)
+        n = view.n_owned
         if not direct:
-            return ModelOutput(energies=energies)
-        # du/dr = 4 eps (-12 s^12 + 6 s^6) / r
-        s6 = (sig / r) ** 6
-        du = 4.0 * eps * (-12.0 * s6 * s6 + 6.0 * s6) / r
-        # Directed pair (i, j) carries u/2: force on i is +du/2 * r_hat, on j the opposite.
-        fpair = (0.5 * du / r)[:, None] * view.vectors
-        forces = torch.zeros_like(view.positions)
-        forces.index_add_(0, view.pairs[0], fpair)
-        forces.index_add_(0, view.pairs[1], -fpair)
-        virial = -(view.vectors.transpose(0, 1) @ fpair)
-        return ModelOutput(energies=energies, forces=forces, virial=virial)
+            return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
+        energies, forces = lj_energy_forces(view.positions, half, tables, owned_weight(view.positions, n))
+        # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
+        centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
+        return ModelOutput(energies=energies[:n], forces=forces, virial=virial_from_forces(view.positions - centre, forces))

@@ -1,0 +1,202 @@
+"""Warp sources of the half-list pair kernels (imported only when Warp loads).
+
+Each thread takes one pair ``(a, b)`` of a half list, skips it beyond the
+cutoff, adds half the pair energy to each end and the pair force, weighted by
+``(weight[a] + weight[b]) / 2``, to both ends with opposite signs.
+"""
+
+from __future__ import annotations
+
+import warp as wp
+
+# Backward passes are written by hand (the autograd Functions); skipping Warp's adjoints halves build time.
+wp.set_module_options({"enable_backward": False})
+
+
+@wp.kernel
+def lj_half_list(
+    rows: wp.array(dtype=wp.vec3d),
+    first: wp.array(dtype=wp.int32),
+    second: wp.array(dtype=wp.int32),
+    ptype: wp.array(dtype=wp.int32),
+    a12: wp.array(dtype=wp.float64),
+    b6: wp.array(dtype=wp.float64),
+    shift: wp.array(dtype=wp.float64),
+    weight: wp.array(dtype=wp.float64),
+    rc2: wp.float64,
+    energies: wp.array(dtype=wp.float64),
+    forces: wp.array(dtype=wp.vec3d),
+):
+    k = wp.tid()
+    a = first[k]
+    b = second[k]
+    d = rows[b] - rows[a]
+    r2 = wp.dot(d, d)
+    if r2 > rc2:  # a candidate within the skin, not the cutoff
+        return
+    t = ptype[k]
+    inv2 = wp.float64(1.0) / r2
+    inv6 = inv2 * inv2 * inv2
+    half = wp.float64(0.5) * ((a12[t] * inv6 - b6[t]) * inv6 - shift[t])
+    wp.atomic_add(energies, a, half)
+    wp.atomic_add(energies, b, half)
+    c = wp.float64(0.5) * (weight[a] + weight[b])
+    f = (c * (wp.float64(12.0) * a12[t] * inv6 - wp.float64(6.0) * b6[t]) * inv6 * inv2) * d
+    wp.atomic_add(forces, b, f)
+    wp.atomic_sub(forces, a, f)
+
+
+@wp.kernel
+def ewald_real_half_list(
+    rows: wp.array(dtype=wp.vec3d),
+    first: wp.array(dtype=wp.int32),
+    second: wp.array(dtype=wp.int32),
+    charges: wp.array(dtype=wp.float64),
+    weight: wp.array(dtype=wp.float64),
+    rc2: wp.float64,
+    alpha: wp.float64,
+    coulomb: wp.float64,
+    energies: wp.array(dtype=wp.float64),
+    forces: wp.array(dtype=wp.vec3d),
+    charge_grad: wp.array(dtype=wp.float64),
+):
+    k = wp.tid()
+    a = first[k]
+    b = second[k]
+    d = rows[b] - rows[a]
+    r2 = wp.dot(d, d)
+    if r2 > rc2:
+        return
+    r = wp.sqrt(r2)
+    screened = coulomb * wp.erfc(alpha * r) / r  # k_e erfc(alpha r) / r
+    qa = charges[a]
+    qb = charges[b]
+    half = wp.float64(0.5) * qa * qb * screened
+    wp.atomic_add(energies, a, half)
+    wp.atomic_add(energies, b, half)
+    c = wp.float64(0.5) * (weight[a] + weight[b])
+    wp.atomic_add(charge_grad, a, c * qb * screened)
+    wp.atomic_add(charge_grad, b, c * qa * screened)
+    # -du/dr / r with u = q_a q_b k_e erfc(alpha r) / r
+    gauss = coulomb * wp.float64(1.1283791670955126) * alpha * wp.exp(-alpha * alpha * r2)  # k_e 2 alpha / sqrt(pi) exp(-alpha^2 r^2)
+    f = (c * qa * qb * (screened + gauss) / r2) * d
+    wp.atomic_add(forces, b, f)
+    wp.atomic_sub(forces, a, f)
+
+
+@wp.kernel
+def d3_bj_half_list(
+    rows: wp.array(dtype=wp.vec3d),
+    first: wp.array(dtype=wp.int32),
+    second: wp.array(dtype=wp.int32),
+    species: wp.array(dtype=wp.int32),
+    ref_weights: wp.array2d(dtype=wp.float64),
+    c6ref: wp.array(dtype=wp.float64),
+    c8_over_c6: wp.array(dtype=wp.float64),
+    r0_6: wp.array(dtype=wp.float64),
+    r0_8: wp.array(dtype=wp.float64),
+    n_species: wp.int32,
+    n_ref: wp.int32,
+    s6: wp.float64,
+    s8: wp.float64,
+    weight: wp.array(dtype=wp.float64),
+    rc2: wp.float64,
+    energies: wp.array(dtype=wp.float64),
+    forces: wp.array(dtype=wp.vec3d),
+    weight_grad: wp.array2d(dtype=wp.float64),
+):
+    k = wp.tid()
+    a = first[k]
+    b = second[k]
+    d = rows[b] - rows[a]
+    r2 = wp.dot(d, d)
+    if r2 > rc2:
+        return
+    p = species[a] * n_species + species[b]
+    base = p * n_ref * n_ref
+    c6 = wp.float64(0.0)
+    for i in range(n_ref):
+        wa = ref_weights[a, i]
+        for j in range(n_ref):
+            c6 += wa * c6ref[base + i * n_ref + j] * ref_weights[b, j]
+    r6 = r2 * r2 * r2
+    r8 = r6 * r2
+    e6 = wp.float64(1.0) / (r6 + r0_6[p])
+    e8 = wp.float64(1.0) / (r8 + r0_8[p])
+    qq = c8_over_c6[p]
+    # BJ: u = -(s6 C6 / (r^6 + R0^6) + s8 C8 / (r^8 + R0^8)), C8 = qq C6.
+    per_c6 = -(s6 * e6 + s8 * qq * e8)
+    half = wp.float64(0.5) * c6 * per_c6
+    wp.atomic_add(energies, a, half)
+    wp.atomic_add(energies, b, half)
+    c = wp.float64(0.5) * (weight[a] + weight[b])
+    du_dr2 = c6 * (wp.float64(3.0) * s6 * r2 * r2 * e6 * e6 + wp.float64(4.0) * s8 * qq * r6 * e8 * e8)
+    f = (wp.float64(-2.0) * c * du_dr2) * d
+    wp.atomic_add(forces, b, f)
+    wp.atomic_sub(forces, a, f)
+    # dE/dw through C6 = w_a^T C6ref w_b.
+    g = c * per_c6
+    for i in range(n_ref):
+        row = wp.float64(0.0)
+        col = wp.float64(0.0)
+        for j in range(n_ref):
+            row += c6ref[base + i * n_ref + j] * ref_weights[b, j]
+            col += ref_weights[a, j] * c6ref[base + j * n_ref + i]
+        wp.atomic_add(weight_grad, a, i, g * row)
+        wp.atomic_add(weight_grad, b, i, g * col)
+
+
+@wp.func
+def _cn_count(r2: wp.float64, rcov_sum: wp.float64, k1: wp.float64):
+    """D3 counting function 1 / (1 + exp(-k1 (rcov_sum / r - 1))) as a sigmoid."""
+    return wp.float64(1.0) / (wp.float64(1.0) + wp.exp(-k1 * (rcov_sum / wp.sqrt(r2) - wp.float64(1.0))))
+
+
+@wp.kernel
+def d3_cn_half_list(
+    rows: wp.array(dtype=wp.vec3d),
+    first: wp.array(dtype=wp.int32),
+    second: wp.array(dtype=wp.int32),
+    rcov: wp.array(dtype=wp.float64),
+    k1: wp.float64,
+    rc2: wp.float64,
+    cn: wp.array(dtype=wp.float64),
+):
+    k = wp.tid()
+    a = first[k]
+    b = second[k]
+    d = rows[b] - rows[a]
+    r2 = wp.dot(d, d)
+    if r2 > rc2:
+        return
+    count = _cn_count(r2, rcov[a] + rcov[b], k1)
+    wp.atomic_add(cn, a, count)
+    wp.atomic_add(cn, b, count)
+
+
+@wp.kernel
+def d3_cn_backward_half_list(
+    rows: wp.array(dtype=wp.vec3d),
+    first: wp.array(dtype=wp.int32),
+    second: wp.array(dtype=wp.int32),
+    rcov: wp.array(dtype=wp.float64),
+    k1: wp.float64,
+    rc2: wp.float64,
+    cn_grad: wp.array(dtype=wp.float64),
+    rows_grad: wp.array(dtype=wp.vec3d),
+):
+    k = wp.tid()
+    a = first[k]
+    b = second[k]
+    d = rows[b] - rows[a]
+    r2 = wp.dot(d, d)
+    if r2 > rc2:
+        return
+    rcov_sum = rcov[a] + rcov[b]
+    count = _cn_count(r2, rcov_sum, k1)
+    r = wp.sqrt(r2)
+    # d count / d r = count (1 - count) k1 (-rcov_sum / r^2); d r / d r_b = d / r.
+    dcount = count * (wp.float64(1.0) - count) * k1 * (-rcov_sum / r2)
+    g = (cn_grad[a] + cn_grad[b]) * dcount / r * d
+    wp.atomic_add(rows_grad, b, g)
+    wp.atomic_sub(rows_grad, a, g)

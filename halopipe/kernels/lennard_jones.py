@@ -1,0 +1,84 @@
+"""Lennard-Jones 12-6 on a half list (see :mod:`.pairs` for the conventions).
+
+Per species pair: ``a12 = 4 eps sigma^12`` and ``b6 = 4 eps sigma^6``, so
+``u = a12 / r^12 - b6 / r^6 - shift`` with ``r^2`` only (no square root).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .pairs import HalfList, launch, owned_weight, uniform_scale, warp_kernel
+
+__all__ = ["LJTables", "lj_energy_forces", "lj_energies_autograd"]
+
+
+@dataclass(frozen=True)
+class LJTables:
+    """Per species pair (flattened): ``a12``, ``b6`` and ``shift = u_LJ(r_c)`` (0 if unshifted); the cutoff."""
+
+    a12: torch.Tensor
+    b6: torch.Tensor
+    shift: torch.Tensor
+    cutoff: float
+
+
+def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces) -> None:
+    """Eager twin of the Warp kernel: the same arithmetic with a mask instead of an early return."""
+    first, second = half.first.long(), half.second.long()
+    d = rows[second] - rows[first]
+    r2 = (d * d).sum(dim=1)
+    inside = r2 <= tables.cutoff**2
+    inv2 = torch.where(inside, 1.0 / r2, torch.zeros_like(r2))
+    inv6 = inv2 * inv2 * inv2
+    t = half.ptype.long()
+    a12, b6 = tables.a12[t], tables.b6[t]
+    half_u = torch.where(inside, 0.5 * ((a12 * inv6 - b6) * inv6 - tables.shift[t]), torch.zeros_like(r2))
+    energies.index_add_(0, first, half_u).index_add_(0, second, half_u)
+    c = 0.5 * (weight[first] + weight[second])
+    f = (c * (12.0 * a12 * inv6 - 6.0 * b6) * inv6 * inv2)[:, None] * d
+    forces.index_add_(0, second, f).index_add_(0, first, -f)
+
+
+def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row energies (R,) and forces (R, 3) = ``-d(sum_i weight_i e_i)/d(rows)``."""
+    rows = rows.detach().contiguous()
+    energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
+    forces = torch.zeros_like(rows)
+    if half.n_pairs == 0:
+        return energies, forces
+    kernel = warp_kernel("lj_half_list") if rows.dtype == torch.float64 else None
+    if kernel is None:
+        _torch_kernel(rows, half, tables, weight, energies, forces)
+        return energies, forces
+    inputs = [rows, half.first, half.second, half.ptype, tables.a12, tables.b6, tables.shift, weight.contiguous(), tables.cutoff**2]
+    launch(kernel, half.n_pairs, rows.device, inputs, [energies, forces])
+    return energies, forces
+
+
+class _LJEnergies(torch.autograd.Function):
+    """Owned energies with an analytic backward (the kernel's forces)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int) -> torch.Tensor:
+        energies, forces = lj_energy_forces(rows, half, tables, owned_weight(rows, n_owned))
+        ctx.save_for_backward(rows, forces)
+        ctx.half, ctx.tables, ctx.n_owned = half, tables, n_owned
+        return energies[:n_owned]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        rows, forces = ctx.saved_tensors
+        scale = uniform_scale(grad)
+        if scale is not None:
+            return -scale * forces, None, None, None
+        weight = torch.cat([grad, grad.new_zeros(rows.shape[0] - ctx.n_owned)])
+        return -lj_energy_forces(rows, ctx.half, ctx.tables, weight)[1], None, None, None
+
+
+def lj_energies_autograd(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int) -> torch.Tensor:
+    """Owned energies (n_owned,), differentiable with respect to ``rows``."""
+    return _LJEnergies.apply(rows, half, tables, n_owned)

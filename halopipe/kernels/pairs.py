@@ -1,0 +1,104 @@
+"""Shared pieces of the half-list pair kernels: the list, the weights, Warp loading and launching.
+
+A half list holds each unordered pair with an owned end once, owned end first
+(:func:`halopipe.neighbors.owned_half_pairs`). A kernel adds half of each pair
+energy to each end (a ghost end's half belongs to its owner, who sees the
+same pair from its side, so only owned rows' energies are kept) and returns
+forces ``-d(sum_i weight_i e_i)/d(rows)`` for per-row weights (1 on owned rows
+and 0 on ghosts for direct forces; the incoming gradient in autograd's
+backward): each pair's force carries ``(weight_a + weight_b) / 2``.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .backend import warp_module
+
+__all__ = ["HalfList", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
+
+
+@dataclass(frozen=True)
+class HalfList:
+    """Each unordered pair once (int32 indices, as Warp kernels want), with an optional per-pair type."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+    ptype: torch.Tensor | None = None
+
+    @staticmethod
+    def from_pairs(pairs: torch.Tensor, n_owned: int, is_half: bool, ptype: torch.Tensor | None = None) -> HalfList:
+        """From a view's pairs: a half list as is, or a directed owned-centred list halved.
+
+        A directed list holds owned-owned pairs in both directions; one
+        direction (``i < j``) is kept. ``ptype`` (per pair of ``pairs``) is
+        filtered alike.
+        """
+        if not is_half:
+            keep = (pairs[1] >= n_owned) | (pairs[0] < pairs[1])
+            pairs = pairs[:, keep]
+            ptype = ptype[keep] if ptype is not None else None
+        as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
+        return HalfList(as32(pairs[0]), as32(pairs[1]), as32(ptype) if ptype is not None else None)
+
+    @property
+    def n_pairs(self) -> int:
+        return int(self.first.numel())
+
+
+def owned_weight(rows: torch.Tensor, n_owned: int) -> torch.Tensor:
+    """Weights 1 on owned rows, 0 on ghost rows (direct forces of the owned energy)."""
+    weight = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
+    weight[:n_owned] = 1.0
+    return weight
+
+
+def uniform_scale(grad: torch.Tensor) -> float | None:
+    """The common value of an incoming energy gradient, or None when it varies per atom.
+
+    The usual gradient of a sum of energies is all ones: then the forward's
+    owned-weight forces, scaled, are the backward, with no second kernel pass.
+    """
+    if grad.numel() == 0:
+        return 0.0
+    first = grad[0]
+    return float(first) if bool((grad == first).all()) else None
+
+
+@functools.cache
+def warp_kernel(name: str):
+    """The compiled Warp kernel ``name`` of :mod:`._warp_pairs`, or None (with a warning) when Warp cannot build it."""
+    wp = warp_module()
+    if wp is None:
+        return None
+    try:
+        from . import _warp_pairs
+
+        wp.load_module(_warp_pairs, device="cpu")
+        return getattr(_warp_pairs, name)
+    except Exception as exc:  # no compiler, unsupported platform: fall back, never crash
+        warnings.warn(f"halopipe: Warp kernel build failed ({exc}); pair kernels run in eager torch", stacklevel=2)
+        return None
+
+
+def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: list) -> None:
+    """Launch a Warp kernel over ``n_pairs`` threads on torch's device and stream.
+
+    Tensors are passed zero-copy: ``(R, 3)`` float64 as ``vec3d`` arrays,
+    others as they are.
+    """
+    wp = warp_module()
+    wp_device = wp.device_from_torch(device)
+    stream = wp.stream_from_torch(device) if wp_device.is_cuda else None
+
+    def as_warp(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        return wp.from_torch(x, dtype=wp.vec3d) if x.ndim == 2 else wp.from_torch(x)
+
+    inputs, outputs = [as_warp(x) for x in inputs], [as_warp(x) for x in outputs]
+    wp.launch(kernel, dim=n_pairs, inputs=inputs, outputs=outputs, device=wp_device, stream=stream)

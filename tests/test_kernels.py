@@ -1,0 +1,148 @@
+"""Pair kernels: the Warp kernel and its eager-torch twin against independent references."""
+
+import numpy as np
+import pytest
+import torch
+from ase.build import bulk
+from ase.calculators.lj import LennardJones as AseLJ
+
+from halopipe import ChargeModel, DomainConfig, Ewald, Group, LennardJones, Pipeline, Step, System
+from halopipe.kernels import backend as kernel_backend_module
+from halopipe.kernels import ewald as ewald_kernels
+from halopipe.kernels import lennard_jones as lj_kernels
+from halopipe.kernels import pairs as pair_kernels
+from halopipe.models.coulomb import COULOMB_CONSTANT
+from halopipe.neighbors import owned_half_pairs, owned_pairs
+from halopipe.testing import check_model
+
+
+@pytest.fixture(params=["warp", "torch"])
+def backend(request, monkeypatch):
+    """Run a test once with each kernel technology (Warp skipped where it does not load)."""
+    monkeypatch.setenv("HALOPIPE_KERNELS", request.param)
+    kernel_backend_module.warp_module.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()
+    if request.param == "warp" and pair_kernels.warp_kernel("lj_half_list") is None:
+        pytest.skip("NVIDIA Warp is not available here")
+    yield request.param
+    kernel_backend_module.warp_module.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()
+
+
+def _argon(repeat=2, seed=3):
+    atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((repeat,) * 3)
+    atoms.rattle(0.15, seed=seed)
+    return atoms
+
+
+@pytest.mark.parametrize("autograd", [True, False])
+def test_lennard_jones_matches_ase_with_each_backend(backend, autograd):
+    atoms = _argon()
+    atoms.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=7.0)
+    out = Pipeline([Group([LennardJones(0.0103, 3.4, 7.0)], autograd=autograd)], config=DomainConfig(skin=0.8))(System.from_ase(atoms), stress=True)
+    assert float(out["energy"]) == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
+    np.testing.assert_allclose(out["forces"].numpy(), atoms.get_forces(), atol=1e-12)
+    np.testing.assert_allclose(out["stress"].numpy(), atoms.get_stress(voigt=False), atol=1e-13)
+
+
+def test_check_model_with_each_backend(backend, nacl):
+    check_model(LennardJones({11: 0.0115, 17: 0.0043}, {11: 2.6, 17: 3.6}, 6.0), nacl)
+
+
+def test_weighted_backward_matches_autograd_of_pair_formula(backend):
+    """d(sum_i w_i e_i)/dr for non-uniform w (the kernel's recompute path) against plain torch autograd."""
+    atoms = _argon(repeat=1)
+    rows = torch.tensor(atoms.positions, dtype=torch.float64)
+    n = rows.shape[0]
+    pairs = owned_half_pairs(rows, n, 4.5)
+    half = pair_kernels.HalfList.from_pairs(pairs, n, True, torch.zeros(pairs.shape[1], dtype=torch.int64))
+    model = LennardJones(0.0103, 3.4, 4.0)
+    tables = model._tables(torch.tensor([18]), torch.float64)
+    weights = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+
+    x = rows.clone().requires_grad_(True)
+    (grad_kernel,) = torch.autograd.grad((lj_kernels.lj_energies_autograd(x, half, tables, n) * weights).sum(), x)
+
+    y = rows.clone().requires_grad_(True)
+    full = owned_pairs(rows, n, 4.0)
+    r = (y[full[1]] - y[full[0]]).norm(dim=1)
+    s6 = (3.4 / r) ** 6
+    c6 = (3.4 / 4.0) ** 6
+    u = 4 * 0.0103 * (s6 * s6 - s6 - c6 * c6 + c6)
+    energies = torch.zeros(n, dtype=torch.float64).index_add(0, full[0], 0.5 * u)
+    (grad_ref,) = torch.autograd.grad((energies * weights).sum(), y)
+    torch.testing.assert_close(grad_kernel, grad_ref, atol=1e-13, rtol=0)
+
+
+def test_half_list_holds_each_owned_pair_once():
+    rows = torch.tensor(_argon(repeat=1).positions, dtype=torch.float64)
+    n_owned = 10
+    half = owned_half_pairs(rows, n_owned, 4.0)
+    full = owned_pairs(rows, n_owned, 4.0)
+    assert bool((half[0] < n_owned).all())
+    as_set = lambda p: {tuple(sorted(x)) for x in p.T.tolist()}  # noqa: E731
+    assert as_set(half) == as_set(full)
+    assert half.shape[1] == len(as_set(half))
+
+
+def test_empty_view_gives_zero_energy(backend):
+    rows = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
+    half = pair_kernels.HalfList.from_pairs(torch.zeros(2, 0, dtype=torch.int64), 0, True, torch.zeros(0, dtype=torch.int64))
+    tables = LennardJones()._tables(torch.tensor([18]), torch.float64)
+    e = lj_kernels.lj_energies_autograd(rows, half, tables, 0)
+    assert e.shape == (0,)
+    (g,) = torch.autograd.grad(e.sum() + 0.0 * rows.sum(), rows)
+    assert g.shape == (0, 3)
+
+
+def test_check_model_of_wired_ewald_with_each_backend(backend, nacl):
+    """Forces, stress and the wired chain term dE/dq dq/dr through the real-space kernel, by finite differences."""
+    from halopipe.testing import finite_difference_forces
+
+    pipe = Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(Ewald(cutoff=5.0, accuracy=1e-8))], autograd=True)])
+    out = pipe(nacl)
+    fd = finite_difference_forces(pipe, nacl, [0, 5, 11])
+    torch.testing.assert_close(out["forces"][[0, 5, 11]], fd, rtol=0, atol=1e-6)
+    check_model(Ewald(cutoff=5.0, accuracy=1e-8), nacl)
+
+
+def test_real_space_weighted_backward_matches_autograd(backend):
+    """Gradients of sum_i w_i e_i to positions and charges (kernel recompute path) against plain torch autograd."""
+    atoms = _argon(repeat=1)
+    rows = torch.tensor(atoms.positions, dtype=torch.float64)
+    n = rows.shape[0]
+    charges = torch.linspace(-1.0, 1.2, n, dtype=torch.float64)
+    weights = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+    alpha, cutoff = 0.6, 4.0
+    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows, n, cutoff + 0.5), n, True)
+
+    x, q = rows.clone().requires_grad_(True), charges.clone().requires_grad_(True)
+    e = ewald_kernels.real_space_energies_autograd(x, q, half, cutoff, alpha, COULOMB_CONSTANT, n)
+    got = torch.autograd.grad((e * weights).sum(), [x, q])
+
+    y, p = rows.clone().requires_grad_(True), charges.clone().requires_grad_(True)
+    full = owned_pairs(rows, n, cutoff)
+    r = (y[full[1]] - y[full[0]]).norm(dim=1)
+    u = COULOMB_CONSTANT * p[full[0]] * p[full[1]] * torch.erfc(alpha * r) / r
+    ref_e = torch.zeros(n, dtype=torch.float64).index_add(0, full[0], 0.5 * u)
+    want = torch.autograd.grad((ref_e * weights).sum(), [y, p])
+    torch.testing.assert_close(e.detach(), ref_e.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-12, rtol=0)
+
+
+def test_dftd3_with_each_backend_passes_check_model(backend, nacl):
+    """The compiled D3(BJ) path (CN and two-body kernels, analytic backward) by finite differences, in both groups."""
+    from halopipe import DFTD3
+
+    check_model(DFTD3("pbe", cutoff=9.0, cn_cutoff=6.0), nacl)
+
+
+def test_half_list_on_a_wide_halo_matches_the_full_list():
+    """Rows far beyond 8x the owned atoms take the owned-centred cell list; still each pair once."""
+    rows = torch.tensor(_argon(repeat=3).positions, dtype=torch.float64)
+    n_owned = 12
+    half = owned_half_pairs(rows, n_owned, 6.0)
+    as_set = lambda p: {tuple(sorted(x)) for x in p.T.tolist()}  # noqa: E731
+    assert as_set(half) == as_set(owned_pairs(rows, n_owned, 6.0))
+    assert half.shape[1] == len(as_set(half)) and bool((half[0] < n_owned).all())
