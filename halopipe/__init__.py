@@ -5,7 +5,7 @@ and the dynamics built on them.
 """
 
 from .distributed import DistributedError, DistributedModel, DistributedPipeline, DomainConfig, ShardedSystem
-from .models import DFTD3, MACE, PME, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, TorchModel
+from .models import DFTD3, MACE, PME, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, SevenNet, TorchModel
 from .pipeline import Group, Pipeline, Step
 from .system import System
 
@@ -23,6 +23,7 @@ __all__ = [
     "Ewald",
     "PME",
     "MACE",
+    "SevenNet",
     "TorchModel",
     "Pipeline",
     "Group",
