@@ -73,7 +73,12 @@ def load_sevennet(model: str | Path) -> torch.nn.Module:
             f"SevenNet: model={str(model)!r} is neither a checkpoint file nor a pretrained name; use a path to a .pth "
             f"checkpoint or one of: {names} (7net-0, 7net-0_22may2024, 7net-l3i5 and 7net-mf-0 ship with the wheel)"
         ) from exc
-    module = checkpoint.build_model()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)  # sevenn builds (and checks) its float32 weights under the default dtype
+    try:
+        module = checkpoint.build_model()
+    finally:
+        torch.set_default_dtype(old)
     module.requires_grad_(False)  # inference only: no parameter gradients in the backward pass
     return module
 
@@ -115,9 +120,10 @@ class SevenNet(Model):
         ``"R2SCAN"``; case-insensitive); must be ``None`` for the others.
     halo_mode : ``"layer"`` (halo one cutoff, ghost features refreshed between
         layers) or ``"wide"`` (halo ``layers * cutoff``, no refresh; for comparison).
-    dtype : ``"float32"`` (the checkpoints' precision) or ``"float64"`` (the
-        weights cast); ``None`` keeps the module's dtype. Positions are cast to
-        it and energies cast back to the system's dtype.
+    dtype : ``"float32"`` or ``"float64"`` (the weights cast, in place for a
+        passed module); ``None`` keeps the module's dtype (float32 for the
+        shipped checkpoints). Positions are cast to it and energies cast back
+        to the system's dtype.
 
     Examples
     --------
@@ -130,7 +136,7 @@ class SevenNet(Model):
         model: str | Path | torch.nn.Module = "7net-0",
         modal: str | None = None,
         halo_mode: str = "layer",
-        dtype: str | torch.dtype | None = "float32",
+        dtype: str | torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if halo_mode not in _HALO_MODES:
