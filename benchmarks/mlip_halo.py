@@ -39,6 +39,7 @@ was made with ``--atoms 1000 --channels 16 --max-ell 2``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import sys
@@ -164,7 +165,7 @@ def bilayer(n_atoms: int):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "data"))
     from make_bilayer_li import bilayer_li
 
-    n = max(2, int(round((n_atoms / 4.1) ** 0.5)))
+    n = max(2, math.ceil((n_atoms / 4.1) ** 0.5))  # at least n_atoms atoms
     return bilayer_li(n_in_plane=n, n_li=max(1, n * n * 4 * 24 // 1024))
 
 
@@ -222,8 +223,60 @@ def sevennet_baseline(n_atoms: int, repeats: int) -> dict:
     return {"seconds": best, "energy": e, "n": len(atoms), "rss": peak_rss_gb()}
 
 
+def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> dict:
+    """NVE (velocity Verlet) of SevenNet-0 + D3 from 300 K on one process: drift of the total energy, eV/atom/ps."""
+    from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
+    from halopipe.dynamics import Reporter, Simulation, VelocityVerlet
+
+    class Energies(Reporter):
+        needs_thermo = True
+
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.t, self.e = [], []
+
+        def report(self, sim, thermo) -> None:
+            self.t.append(thermo["time"] / 1000.0)
+            self.e.append(thermo["total"])
+
+    torch.set_num_threads(1)
+    system = System.from_ase(bilayer(n_atoms))
+    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype=dtype)), Step(DFTD3("pbe"))])], skin=1.0)
+    energies = Energies()
+    sim = Simulation(pipeline, system, VelocityVerlet(timestep), reporters=[energies])
+    sim.set_velocities(300.0, seed=1)
+    t0 = time.perf_counter()
+    sim.run(steps)
+    seconds = time.perf_counter() - t0
+    t, e = np.array(energies.t), np.array(energies.e)
+    return {
+        "n": system.n_atoms,
+        "drift": float(np.polyfit(t, e, 1)[0]) / system.n_atoms,
+        "excursion": float(np.abs(e - e[0]).max()) / system.n_atoms,
+        "seconds_per_step": seconds / steps,
+    }
+
+
+def drift_main(args) -> None:
+    from halopipe.distributed.launch import spawn
+
+    rows = []
+    for dtype in ("float32", "float64"):
+        r = spawn(nve_drift, 1, args.drift_atoms, args.drift_steps, dtype, timeout=7200)[0]
+        rows.append([dtype, r["n"], args.drift_steps, f"{r['drift']:.2e}", f"{r['excursion']:.2e}", f"{r['seconds_per_step']:.2f}"])
+    print_table(
+        f"NVE, SevenNet-0 + D3(PBE, BJ, default cutoffs), bilayer graphene + Li from 300 K, dt 1 fs, {args.drift_steps} steps, 1 process",
+        ["SevenNet dtype", "atoms", "steps", "drift / eV/atom/ps", "largest |E - E0| / eV/atom", "s / step"],
+        rows,
+    )
+
+
 def sevennet_main(args) -> None:
     from halopipe.distributed.launch import spawn
+
+    if args.drift_steps:
+        drift_main(args)
+        return
 
     names = {
         ("layer", "per_model"): "SevenNet per-layer refresh + D3, per-model halos",
@@ -284,6 +337,10 @@ def main() -> None:
     parser.add_argument(
         "--model", choices=["mace", "7net-0"], default="mace", help="random-weight MACE, or pretrained SevenNet-0 ([sevenn] extra)"
     )
+    parser.add_argument(
+        "--drift-steps", type=int, default=0, help="7net-0: instead, NVE drift over this many 1 fs steps (float32, float64)"
+    )
+    parser.add_argument("--drift-atoms", type=int, default=100, help="7net-0: atoms of the NVE drift run")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="7net-0: skip the one-process calculator row")
     args = parser.parse_args()
     if args.model == "7net-0":
