@@ -13,6 +13,22 @@ stress per evaluation:
 
     python benchmarks/mlip_halo.py --atoms 8000 --nproc 2
 
+``--model 7net-0`` runs the pretrained SevenNet-0 (the ``[sevenn]`` extra, in
+its own environment) + DFT-D3(PBE, BJ) at D3's default cutoffs (50.2 / 21.2 Å)
+on AB bilayer graphene with Li in the gallery (examples/data/make_bilayer_li.py),
+SevenNet in float32 (its trained precision, positions and D3 in float64):
+
+* per-layer refresh with per-model halos (``layer:per_model``);
+* the LAMMPS ``hybrid/overlay`` style single halo, SevenNet gets D3's 50 Å
+  halo (``layer:max``);
+* the wide halo, 5 layers x 5 Å (``wide:per_model``);
+* the everyday baseline: sevenn's ``SevenNetCalculator`` + s-dftd3 summed in
+  one process.
+
+Each row reports MLIP and D3 ghost rows and the peak RSS of the largest rank.
+
+    python benchmarks/mlip_halo.py --model 7net-0 --atoms 2000 --nproc 2
+
 Memory: mace-torch's own forward+backward for this model takes ~12 MB per atom
 in float64 on CPU (measured: 4.0 GB for 343 atoms, 9 s), so 8k atoms need a
 GPU or ~100 GB of RAM. On the 2-core, 24 GB development machine the wide
@@ -23,7 +39,9 @@ was made with ``--atoms 1000 --channels 16 --max-ell 2``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import resource
 import sys
 import time
 
@@ -139,6 +157,166 @@ def baseline(n_atoms: int, repeats: int, channels: int, max_ell: int) -> dict:
     return {"seconds": best, "energy": e, "n": len(atoms)}
 
 
+# ------------------------------------------------------------------------------------------ SevenNet-0
+def bilayer(n_atoms: int):
+    """Bilayer graphene + Li (the example's structure) with about ``n_atoms`` atoms."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "data"))
+    from make_bilayer_li import bilayer_li
+
+    n = max(2, math.ceil((n_atoms / 4.1) ** 0.5))  # at least n_atoms atoms
+    return bilayer_li(n_in_plane=n, n_li=max(1, n * n * 4 * 24 // 1024))
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in kB on Linux
+
+
+def sevennet_case(n_atoms: int, repeats: int, mode: str, halo: str) -> dict:
+    from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
+    from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+
+    torch.set_num_threads(1)
+    system = System.from_ase(bilayer(n_atoms)) if rank() == 0 else None
+    pipeline = Pipeline([Group([Step(SevenNet("7net-0", halo_mode=mode, dtype="float32")), Step(DFTD3("pbe"))])], skin=0.5)
+    config = DomainConfig(skin=0.5, halo=halo, timeout=3600)
+    sharded = ShardedSystem.scatter(system, config)
+    with DistributedPipeline(pipeline, config) as dp:
+        dp(sharded, stress=True)
+        seconds, out = timed(lambda: dp(sharded, stress=True), repeats)
+    ghosts = max_over_ranks([float(out["halo"]["SevenNet"]), float(out["halo"]["DFTD3"]), peak_rss_gb()])
+    return {
+        "seconds": max_over_ranks([seconds])[0],
+        "mlip_ghosts": int(ghosts[0]),
+        "d3_ghosts": int(ghosts[1]),
+        "rss": ghosts[2],
+        "energy": float(out["energy"]),
+        "n": sharded.n_total,
+    }
+
+
+def sevennet_baseline(n_atoms: int, repeats: int) -> dict:
+    """sevenn's SevenNetCalculator + s-dftd3 (default cutoffs) in one process (1 thread), summed."""
+    from ase import units
+    from dftd3.interface import DispersionModel, RationalDampingParam
+    from sevenn.calculator import SevenNetCalculator
+
+    from halopipe.models.dftd3 import DEFAULT_CN_CUTOFF, DEFAULT_CUTOFF
+
+    torch.set_num_threads(1)
+    atoms = bilayer(n_atoms)
+    calc = SevenNetCalculator("7net-0", device="cpu")
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first call warms up, as in the distributed rows
+        t0 = time.perf_counter()
+        atoms.calc = calc
+        e = atoms.get_potential_energy()
+        atoms.get_forces()
+        atoms.get_stress()
+        disp = DispersionModel(atoms.numbers, atoms.positions / units.Bohr, atoms.cell.array / units.Bohr, np.array([True] * 3))
+        disp.set_realspace_cutoff(DEFAULT_CUTOFF / units.Bohr, DEFAULT_CUTOFF / units.Bohr, DEFAULT_CN_CUTOFF / units.Bohr)
+        res = disp.get_dispersion(RationalDampingParam(method="pbe", atm=False), grad=True)
+        e += res["energy"] * units.Hartree
+        best = min(best, time.perf_counter() - t0)
+        calc.reset()
+    return {"seconds": best, "energy": e, "n": len(atoms), "rss": peak_rss_gb()}
+
+
+def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> dict:
+    """NVE (velocity Verlet) of SevenNet-0 + D3 from 300 K on one process: drift of the total energy, eV/atom/ps."""
+    from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
+    from halopipe.dynamics import Reporter, Simulation, VelocityVerlet
+
+    class Energies(Reporter):
+        needs_thermo = True
+
+        def __init__(self) -> None:
+            super().__init__(1)
+            self.t, self.e = [], []
+
+        def report(self, sim, thermo) -> None:
+            self.t.append(thermo["time"] / 1000.0)
+            self.e.append(thermo["total"])
+
+    torch.set_num_threads(1)
+    system = System.from_ase(bilayer(n_atoms))
+    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype=dtype)), Step(DFTD3("pbe"))])], skin=1.0)
+    energies = Energies()
+    sim = Simulation(pipeline, system, VelocityVerlet(timestep), reporters=[energies])
+    sim.set_velocities(300.0, seed=1)
+    t0 = time.perf_counter()
+    sim.run(steps)
+    seconds = time.perf_counter() - t0
+    t, e = np.array(energies.t), np.array(energies.e)
+    return {
+        "n": system.n_atoms,
+        "drift": float(np.polyfit(t, e, 1)[0]) / system.n_atoms,
+        "excursion": float(np.abs(e - e[0]).max()) / system.n_atoms,
+        "seconds_per_step": seconds / steps,
+    }
+
+
+def drift_main(args) -> None:
+    from halopipe.distributed.launch import spawn
+
+    rows = []
+    for dtype in ("float32", "float64"):
+        r = spawn(nve_drift, 1, args.drift_atoms, args.drift_steps, dtype, timeout=7200)[0]
+        rows.append([dtype, r["n"], args.drift_steps, f"{r['drift']:.2e}", f"{r['excursion']:.2e}", f"{r['seconds_per_step']:.2f}"])
+    print_table(
+        f"NVE, SevenNet-0 + D3(PBE, BJ, default cutoffs), bilayer graphene + Li from 300 K, dt 1 fs, {args.drift_steps} steps, 1 process",
+        ["SevenNet dtype", "atoms", "steps", "drift / eV/atom/ps", "largest |E - E0| / eV/atom", "s / step"],
+        rows,
+    )
+
+
+def sevennet_main(args) -> None:
+    from halopipe.distributed.launch import spawn
+
+    if args.drift_steps:
+        drift_main(args)
+        return
+
+    names = {
+        ("layer", "per_model"): "SevenNet per-layer refresh + D3, per-model halos",
+        ("layer", "max"): "SevenNet per-layer refresh + D3, single halo (MLIP gets D3's)",
+        ("wide", "per_model"): "SevenNet wide halo (25 Å) + D3, per-model halos",
+    }
+    rows = []
+    for mode, halo in (tuple(c.split(":")) for c in args.configs):
+        r = spawn(sevennet_case, args.nproc, args.atoms, args.repeats, mode, halo, timeout=3600)[0]
+        rows.append(
+            [
+                names[(mode, halo)],
+                args.nproc,
+                r["n"],
+                r["mlip_ghosts"],
+                r["d3_ghosts"],
+                f"{r['seconds']:.1f}",
+                f"{r['rss']:.2f}",
+                f"{r['energy']:.4f}",
+            ]
+        )
+    if args.baseline:
+        b = spawn(sevennet_baseline, 1, args.atoms, args.repeats, timeout=3600)[0]
+        rows.append(
+            ["SevenNetCalculator + s-dftd3, summed", 1, b["n"], "-", "-", f"{b['seconds']:.1f}", f"{b['rss']:.2f}", f"{b['energy']:.4f}"]
+        )
+    print_table(
+        "SevenNet-0 (float32) + D3(PBE, BJ, 50.2/21.2 Å), bilayer graphene + Li, E+F+stress, 1 thread per rank",
+        [
+            "configuration",
+            "ranks",
+            "atoms",
+            "MLIP ghost rows (max rank)",
+            "D3 ghost rows (max rank)",
+            "s / evaluation",
+            "peak RSS / GB (max rank)",
+            "energy / eV",
+        ],
+        rows,
+    )
+
+
 def main() -> None:
     from halopipe.distributed.launch import spawn
 
@@ -154,7 +332,18 @@ def main() -> None:
         default=["layer:per_model", "wide:per_model", "layer:max"],
         help="MACE halo mode and pipeline halo of each distributed row, as mode:halo",
     )
+    parser.add_argument(
+        "--model", choices=["mace", "7net-0"], default="mace", help="random-weight MACE, or pretrained SevenNet-0 ([sevenn] extra)"
+    )
+    parser.add_argument(
+        "--drift-steps", type=int, default=0, help="7net-0: instead, NVE drift over this many 1 fs steps (float32, float64)"
+    )
+    parser.add_argument("--drift-atoms", type=int, default=100, help="7net-0: atoms of the NVE drift run")
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="7net-0: skip the one-process calculator row")
     args = parser.parse_args()
+    if args.model == "7net-0":
+        sevennet_main(args)
+        return
     rows = []
     for mode, halo in (tuple(c.split(":")) for c in args.configs):
         r = spawn(distributed_case, args.nproc, args.atoms, args.repeats, mode, halo, args.channels, args.max_ell, timeout=3600)[0]

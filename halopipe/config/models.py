@@ -18,9 +18,9 @@ parameters are checked against the class's signature.
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, model_validator
 
 from .errors import ConfigError
 from .fields import (
@@ -35,6 +35,7 @@ from .fields import (
     Positive,
     PositiveInt,
     Section,
+    _existing_file,
     atomic_numbers_of,
     element_symbol,
     import_object,
@@ -196,6 +197,31 @@ class MACESpec(ModelSpec):
         return None
 
 
+def _sevennet_model(value: str, info: ValidationInfo) -> str:
+    """A pretrained name stays as it is; a path (it has a '/' or ends in '.pth') must exist, relative to this configuration."""
+    if "/" in value or value.endswith(".pth"):
+        return _existing_file(value, info)
+    return value
+
+
+class SevenNetSpec(ModelSpec):
+    """A pretrained SevenNet potential (needs the ``[sevenn]`` extra, in its own environment: see noxfile.py)."""
+
+    target: ClassVar[str] = "halopipe.models.sevennet:SevenNet"
+    type: Literal["SevenNet"]
+    model: Annotated[str, AfterValidator(_sevennet_model)] = Field(
+        "7net-0", description="a name shipped with sevenn (7net-0, 7net-l3i5, 7net-mf-0, ...) or a .pth checkpoint file"
+    )
+    modal: str | None = Field(None, description="fidelity of a multi-fidelity model (e.g. 'mpa' for 7net-mf-0)")
+    halo_mode: Literal["layer", "wide"] | None = Field(None, description="layer: halo of one cutoff with refreshed ghosts (default)")
+
+    def missing_species(self, model, species):
+        lacking = [z for z in species if z not in model.species]
+        if lacking:
+            return f"the SevenNet model has no {_symbols(lacking)}; use a model trained on them"
+        return None
+
+
 class TorchModelSpec(ModelSpec):
     """A plain torch module mapping a graph to per-atom energies (see :class:`~halopipe.models.TorchModel`)."""
 
@@ -259,7 +285,7 @@ class ClassPathSpec(ModelSpec):
 
 MODEL_SPECS: dict[str, type[ModelSpec]] = {
     type_names(spec)[0]: spec
-    for spec in (LennardJonesSpec, DSFCoulombSpec, ChargeModelSpec, EwaldSpec, PMESpec, DFTD3Spec, MACESpec, TorchModelSpec)
+    for spec in (LennardJonesSpec, DSFCoulombSpec, ChargeModelSpec, EwaldSpec, PMESpec, DFTD3Spec, MACESpec, SevenNetSpec, TorchModelSpec)
 }
 """The built-in model types by ``type`` name."""
 

@@ -9,6 +9,7 @@ from .ewald import Ewald
 from .lennard_jones import LennardJones
 from .mace import MACE
 from .pme import PME
+from .sevennet import SevenNet
 
 __all__ = [
     "LocalView",
@@ -23,5 +24,6 @@ __all__ = [
     "Ewald",
     "PME",
     "MACE",
+    "SevenNet",
     "TorchModel",
 ]
