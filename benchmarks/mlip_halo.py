@@ -172,17 +172,16 @@ def peak_rss_gb() -> float:
 
 
 def sevennet_case(n_atoms: int, repeats: int, mode: str, halo: str) -> dict:
-    from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
-    from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+    from halopipe import DFTD3, DomainConfig, Group, Pipeline, SevenNet, Step, System
+    from halopipe.distributed import ShardedSystem
 
     torch.set_num_threads(1)
     system = System.from_ase(bilayer(n_atoms)) if rank() == 0 else None
-    pipeline = Pipeline([Group([Step(SevenNet("7net-0", halo_mode=mode, dtype="float32")), Step(DFTD3("pbe"))])], skin=0.5)
     config = DomainConfig(skin=0.5, halo=halo, timeout=3600)
+    pipeline = Pipeline([Group([Step(SevenNet("7net-0", halo_mode=mode, dtype="float32")), Step(DFTD3("pbe"))])], config=config)
     sharded = ShardedSystem.scatter(system, config)
-    with DistributedPipeline(pipeline, config) as dp:
-        dp(sharded, stress=True)
-        seconds, out = timed(lambda: dp(sharded, stress=True), repeats)
+    pipeline(sharded, stress=True)
+    seconds, out = timed(lambda: pipeline(sharded, stress=True), repeats)
     ghosts = max_over_ranks([float(out["halo"]["SevenNet"]), float(out["halo"]["DFTD3"]), peak_rss_gb()])
     return {
         "seconds": max_over_ranks([seconds])[0],
@@ -223,7 +222,7 @@ def sevennet_baseline(n_atoms: int, repeats: int) -> dict:
 
 def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> dict:
     """NVE (velocity Verlet) of SevenNet-0 + D3 from 300 K on one process: drift of the total energy, eV/atom/ps."""
-    from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
+    from halopipe import DFTD3, DomainConfig, Group, Pipeline, SevenNet, Step, System
     from halopipe.dynamics import Reporter, Simulation, VelocityVerlet
 
     class Energies(Reporter):
@@ -239,7 +238,7 @@ def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> di
 
     torch.set_num_threads(1)
     system = System.from_ase(bilayer(n_atoms))
-    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype=dtype)), Step(DFTD3("pbe"))])], skin=1.0)
+    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype=dtype)), Step(DFTD3("pbe"))])], config=DomainConfig(skin=1.0))
     energies = Energies()
     sim = Simulation(pipeline, system, VelocityVerlet(timestep), reporters=[energies])
     sim.set_velocities(300.0, seed=1)

@@ -39,7 +39,9 @@ def _argon(repeat=2, seed=3):
 def test_lennard_jones_matches_ase_with_each_backend(backend, autograd):
     atoms = _argon()
     atoms.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=7.0)
-    out = Pipeline([Group([LennardJones(0.0103, 3.4, 7.0)], autograd=autograd)], config=DomainConfig(skin=0.8))(System.from_ase(atoms), stress=True)
+    out = Pipeline([Group([LennardJones(0.0103, 3.4, 7.0)], autograd=autograd)], config=DomainConfig(skin=0.8))(
+        System.from_ase(atoms), stress=True
+    )
     assert float(out["energy"]) == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
     np.testing.assert_allclose(out["forces"].numpy(), atoms.get_forces(), atol=1e-12)
     np.testing.assert_allclose(out["stress"].numpy(), atoms.get_stress(voigt=False), atol=1e-13)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
 from halopipe.distributed import DomainConfig, ShardedSystem
-from halopipe.distributed.partition import Geometry
+from halopipe.geometry import Geometry
 
 from ._composite_workers import compare
 from ._workers import rank

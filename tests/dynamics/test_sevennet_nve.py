@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("sevenn")
 
-from halopipe import DFTD3, Group, Pipeline, SevenNet, Step, System
+from halopipe import DFTD3, DomainConfig, Group, Pipeline, SevenNet, Step, System
 from halopipe.dynamics import Reporter, Simulation, VelocityVerlet
 
 pytestmark = [pytest.mark.sevenn, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -52,7 +52,7 @@ class Energies(Reporter):
 @pytest.mark.timeout(600)
 def test_nve_total_energy_is_conserved():
     system = System.from_ase(bilayer_li(n_in_plane=3, n_li=1))
-    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype="float64")), Step(DFTD3("pbe"))])], skin=1.0)
+    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype="float64")), Step(DFTD3("pbe"))])], config=DomainConfig(skin=1.0))
     energies = Energies()
     sim = Simulation(pipeline, system, VelocityVerlet(1.0), reporters=[energies])
     sim.set_velocities(300.0, seed=1)
