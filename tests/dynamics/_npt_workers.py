@@ -1,0 +1,75 @@
+"""Functions run on spawned ranks (and in-process as the 1-rank case) by the constant-pressure tests."""
+
+from __future__ import annotations
+
+import torch
+
+from halopipe import Pipeline
+from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+from halopipe.dynamics import IsotropicMTKNPT, Simulation
+
+from ._workers import argon, lj, rank
+
+# A hot, over-compressed start at a low target pressure: the box expands by ~30 % in 200 steps.
+TEMPERATURE, PRESSURE, SKIN = 300.0, 500.0, 0.4
+
+
+def npt(timestep: float = 2.0) -> IsotropicMTKNPT:
+    return IsotropicMTKNPT(timestep, TEMPERATURE, PRESSURE, tdamp=50.0, pdamp=200.0)
+
+
+def _final(sim: Simulation, owners_before: torch.Tensor) -> dict:
+    final = sim.system()
+    owners = _owners(sim)
+    return {
+        "positions": final.positions,
+        "velocities": final.fields["velocities"],
+        "cell": final.cell.clone(),
+        "step": sim.step,
+        "state": sim.integrator.state_dict(sim.md),
+        "thermo": sim.thermo(),
+        "rebuilds": sim.sharded.rebuilds,
+        "owner_changes": int((owners != owners_before).sum()),
+        "world": sim.sharded.world_size,
+    }
+
+
+def _owners(sim: Simulation) -> torch.Tensor:
+    return sim.sharded.gather(torch.full((sim.sharded.n_owned,), sim.rank, dtype=torch.int64))
+
+
+def npt_run(steps: int, path: str | None = None, restart_from: str | None = None) -> dict:
+    """NPT for ``steps`` steps in all (fresh or restarted from ``restart_from``), checkpointing to ``path``."""
+    config = DomainConfig(skin=SKIN)
+    if restart_from is not None:
+        sim = Simulation.restart(restart_from, lj(), npt(), config, checkpoint=path)
+    else:
+        sim = Simulation(lj(), argon(cells=3) if rank() == 0 else None, npt(), config, checkpoint=path)
+        sim.set_velocities(TEMPERATURE, seed=5)
+    before = _owners(sim)
+    sim.run(steps - sim.step)
+    return _final(sim, before)
+
+
+def strained_forces(system, scales: list[float], skin: float, model=None) -> list[dict]:
+    """Evaluate, then for each scale set the cell and positions to ``scale`` times the originals and evaluate again."""
+    model = model if model is not None else lj()
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=skin))
+    potential = DistributedPipeline(Pipeline([model]), DomainConfig(skin=skin))
+    potential(sharded, stress=True)
+    cell, positions = sharded.cell.clone(), sharded.positions.clone()
+    out = []
+    for scale in scales:
+        sharded.set_cell(cell * scale)
+        sharded.positions = positions * scale
+        before = sharded.rebuilds
+        result = potential(sharded, stress=True)
+        out.append(
+            {
+                "energy": result["energy"],
+                "stress": result["stress"],
+                "forces": sharded.gather(result["forces"]),
+                "rebuilt": sharded.rebuilds > before,
+            }
+        )
+    return out
