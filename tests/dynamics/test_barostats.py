@@ -140,3 +140,48 @@ def test_needs_a_periodic_cell():
     sim = Simulation(lj(), cluster(charges=False), IsotropicMTKNPT(1.0, 90.0))
     with pytest.raises(ValueError, match="periodic along all three axes"):
         sim.run(1)
+
+
+# ------------------------------------------------------------------ YAML
+def _yaml(**integrator) -> dict:
+    return {
+        "system": {"generator": {"type": "argon", "cells": 2}},
+        "models": {"lj": {"type": "LennardJones", "epsilon": 0.0104, "sigma": 3.4, "cutoff": 6.0}},
+        "integrator": {"type": "npt_mtk", "timestep": 2.0, "temperature": 90.0, "pressure": 1.0, **integrator},
+        "steps": 10,
+    }
+
+
+def test_yaml_builds_the_mtk_barostat_with_pressure_in_bar():
+    from halopipe.config import parse_config
+
+    built = parse_config(_yaml(pdamp=300.0, pchain=2)).build_integrator()
+    assert isinstance(built, IsotropicMTKNPT)
+    assert (built.pressure, built.pdamp, built.pchain, built.tdamp) == (1.0, 300.0, 2, 200.0)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"pressure": "high"}, "integrator.pressure"),
+        ({"pdamp": 0.0}, "integrator.pdamp"),
+        ({"temperature": 0.0}, "integrator.temperature"),
+        ({"tchain": 0}, "integrator.tchain"),
+        ({"presure": 1.0}, "integrator.presure"),
+    ],
+)
+def test_yaml_errors_name_the_key(change, key):
+    from halopipe.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError) as info:
+        parse_config(_yaml(**change), base=".")
+    assert info.value.key == key, str(info.value)
+
+
+def test_argon_npt_example_loads():
+    from pathlib import Path
+
+    from halopipe.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / "argon_npt.yaml")
+    assert isinstance(cfg.build_integrator(), IsotropicMTKNPT) and cfg.build_system().n_atoms == 500
