@@ -16,7 +16,6 @@ single process and reports the differences of energies, forces and stress.
 from __future__ import annotations
 
 import math
-
 import os
 import time
 from contextlib import ExitStack
