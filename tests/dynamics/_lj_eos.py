@@ -84,6 +84,7 @@ def tail_pressure(rho: float, cutoff: float) -> float:
 
 def density(p: float, t: float, cutoff: float, lo: float = 0.5, hi: float = 1.2) -> float:
     """Reduced density at which the LJ fluid truncated at ``cutoff`` has pressure ``p``: bisection on the EOS minus the tail."""
+
     def excess(rho: float) -> float:
         return pressure(rho, t) - tail_pressure(rho, cutoff) - p
 

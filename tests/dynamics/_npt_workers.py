@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from halopipe import Pipeline
-from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+from halopipe.distributed import DomainConfig, ShardedSystem
 from halopipe.dynamics import IsotropicMTKNPT, Simulation
 
 from ._workers import argon, lj, rank
@@ -19,15 +19,24 @@ def npt(timestep: float = 2.0) -> IsotropicMTKNPT:
 
 
 def _final(sim: Simulation, owners_before: torch.Tensor) -> dict:
+    """The final state on rank 0 (``{}`` elsewhere), as numpy arrays.
+
+    Plain arrays, not tensors: torch sends a tensor through a multiprocessing
+    queue as a file descriptor that the parent can only fetch while the sending
+    rank is alive, and a rank returns just before it exits.
+    """
     final = sim.system()
     owners = _owners(sim)
+    thermo = sim.thermo()
+    if rank() != 0:
+        return {}
     return {
-        "positions": final.positions,
-        "velocities": final.fields["velocities"],
-        "cell": final.cell.clone(),
+        "positions": final.positions.numpy(),
+        "velocities": final.fields["velocities"].numpy(),
+        "cell": final.cell.numpy().copy(),
         "step": sim.step,
         "state": sim.integrator.state_dict(sim.md),
-        "thermo": sim.thermo(),
+        "thermo": thermo,
         "rebuilds": sim.sharded.rebuilds,
         "owner_changes": int((owners != owners_before).sum()),
         "world": sim.sharded.world_size,
@@ -40,11 +49,11 @@ def _owners(sim: Simulation) -> torch.Tensor:
 
 def npt_run(steps: int, path: str | None = None, restart_from: str | None = None) -> dict:
     """NPT for ``steps`` steps in all (fresh or restarted from ``restart_from``), checkpointing to ``path``."""
-    config = DomainConfig(skin=SKIN)
+    potential = Pipeline([lj()], config=DomainConfig(skin=SKIN))
     if restart_from is not None:
-        sim = Simulation.restart(restart_from, lj(), npt(), config, checkpoint=path)
+        sim = Simulation.restart(restart_from, potential, npt(), checkpoint=path)
     else:
-        sim = Simulation(lj(), argon(cells=3) if rank() == 0 else None, npt(), config, checkpoint=path)
+        sim = Simulation(potential, argon(cells=3) if rank() == 0 else None, npt(), checkpoint=path)
         sim.set_velocities(TEMPERATURE, seed=5)
     before = _owners(sim)
     sim.run(steps - sim.step)
@@ -52,10 +61,10 @@ def npt_run(steps: int, path: str | None = None, restart_from: str | None = None
 
 
 def strained_forces(system, scales: list[float], skin: float, model=None) -> list[dict]:
-    """Evaluate, then for each scale set the cell and positions to ``scale`` times the originals and evaluate again."""
+    """Evaluate, then again with cell and positions ``scale`` times the originals, per scale (numpy, on rank 0)."""
     model = model if model is not None else lj()
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=skin))
-    potential = DistributedPipeline(Pipeline([model]), DomainConfig(skin=skin))
+    potential = Pipeline([model], config=DomainConfig(skin=skin))
     potential(sharded, stress=True)
     cell, positions = sharded.cell.clone(), sharded.positions.clone()
     out = []
@@ -66,10 +75,10 @@ def strained_forces(system, scales: list[float], skin: float, model=None) -> lis
         result = potential(sharded, stress=True)
         out.append(
             {
-                "energy": result["energy"],
-                "stress": result["stress"],
-                "forces": sharded.gather(result["forces"]),
+                "energy": float(result["energy"]),
+                "stress": result["stress"].numpy(),
+                "forces": sharded.gather(result["forces"]).numpy(),
                 "rebuilt": sharded.rebuilds > before,
             }
         )
-    return out
+    return out if rank() == 0 else []

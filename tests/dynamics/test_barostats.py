@@ -17,6 +17,7 @@ from ase import Atoms, units
 from ase.calculators.lj import LennardJones as AseLennardJones
 from ase.md.nose_hoover_chain import IsotropicMTKNPT as AseIsotropicMTKNPT
 
+from halopipe import Pipeline
 from halopipe.distributed import DomainConfig
 from halopipe.distributed.launch import spawn
 from halopipe.dynamics import IsotropicMTKNPT, Simulation, load_checkpoint
@@ -47,7 +48,7 @@ def test_same_trajectory_as_ase_isotropic_mtk():
     dt, tdamp, pdamp = 2.0, 50.0, 200.0
     integrator = IsotropicMTKNPT(dt, TEMPERATURE, PRESSURE, tdamp=tdamp, pdamp=pdamp)
     integrator.momentum_conserved = False  # ASE counts Nf = 3N degrees of freedom; halopipe's default is 3N - 3
-    sim = Simulation(lj(), argon(cells=3), integrator, DomainConfig(skin=0.4))
+    sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=0.4)), argon(cells=3), integrator)
     sim.set_velocities(TEMPERATURE, seed=3)
     atoms = _to_ase(sim)
     ase_md = AseIsotropicMTKNPT(atoms, dt * units.fs, TEMPERATURE, PRESSURE * units.bar, tdamp * units.fs, pdamp * units.fs)
@@ -64,7 +65,7 @@ def test_same_trajectory_as_ase_isotropic_mtk():
 
 
 def _conserved_spread(timestep: float, time_fs: float) -> float:
-    sim = Simulation(lj(), argon(cells=3), npt(timestep), DomainConfig(skin=0.4))
+    sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=0.4)), argon(cells=3), npt(timestep))
     sim.set_velocities(TEMPERATURE, seed=5)
     sim.run(0)
     values = [sim.thermo()["conserved"]]
@@ -84,7 +85,7 @@ def test_conserved_quantity_error_is_second_order_in_the_timestep():
 
 @pytest.mark.timeout(60)
 def test_cell_and_volume_follow_the_barostat(single):
-    volume = float(torch.linalg.det(single["cell"]))
+    volume = float(np.linalg.det(single["cell"]))
     assert single["thermo"]["volume"] == pytest.approx(volume, rel=1e-12)
     assert volume > 1.25 * float(torch.linalg.det(argon(cells=3).cell))
     assert single["thermo"]["density"] == pytest.approx(108 * 39.948 * 1.66053906660 / volume, rel=1e-6)
@@ -97,9 +98,9 @@ def test_trajectory_independent_of_rank_count(single, world_size):
     assert multi["world"] == world_size
     assert multi["rebuilds"] > 5, "the strain and the motion should force several rebuilds"
     assert multi["owner_changes"] > 0, "atoms should migrate between ranks"
-    diff = (multi["positions"] - single["positions"]).abs().max()
+    diff = np.abs(multi["positions"] - single["positions"]).max()
     assert diff < 1e-8, f"{world_size} ranks: max |Δx| = {diff:.2e} Å"
-    assert (multi["cell"] - single["cell"]).abs().max() < 1e-8
+    assert np.abs(multi["cell"] - single["cell"]).max() < 1e-8
     assert abs(multi["state"]["p_eps"] - single["state"]["p_eps"]) <= 1e-8 * abs(single["state"]["p_eps"])
 
 
@@ -113,8 +114,8 @@ def test_restart_equals_uninterrupted_across_rank_counts(tmp_path, single):
     on_two = spawn(npt_run, 2, STEPS, str(tmp_path / "two.pt"), str(tmp_path / "one_rank.pt"), timeout=280)[0]
     for got in (resumed_here, on_two):
         assert got["step"] == STEPS
-        assert (got["positions"] - single["positions"]).abs().max() < 1e-8
-        assert (got["cell"] - single["cell"]).abs().max() < 1e-8
+        assert np.abs(got["positions"] - single["positions"]).max() < 1e-8
+        assert np.abs(got["cell"] - single["cell"]).max() < 1e-8
         assert got["thermo"]["conserved"] == pytest.approx(single["thermo"]["conserved"], abs=1e-9)
 
 

@@ -19,7 +19,7 @@ import torch
 from ase import units
 from ase.build import bulk
 
-from halopipe import LennardJones, System
+from halopipe import LennardJones, Pipeline, System
 from halopipe.distributed import DomainConfig
 from halopipe.dynamics import IsotropicMTKNPT, Simulation
 from halopipe.dynamics.barostats import BAR_TO_EV_PER_A3
@@ -39,7 +39,7 @@ def _npt_density(t_star: float, p_star: float, steps: int, blocks: int = 10) -> 
     pressure = p_star * EPSILON / SIGMA**3 / BAR_TO_EV_PER_A3
     model = LennardJones(epsilon=EPSILON, sigma=SIGMA, cutoff=2.5 * SIGMA)
     integrator = IsotropicMTKNPT(dt, temperature, pressure, tdamp=100 * dt, pdamp=400 * dt)
-    sim = Simulation(model, System.from_ase(atoms), integrator, DomainConfig(skin=0.3 * SIGMA))
+    sim = Simulation(Pipeline([model], config=DomainConfig(skin=0.3 * SIGMA)), System.from_ase(atoms), integrator)
     sim.set_velocities(temperature, seed=1)
     sim.run(steps // 5)  # equilibration
     rho = []
