@@ -70,6 +70,20 @@ class IsotropicMTKNPTSpec(IntegratorSpec):
     ploop: PositiveInt | None = Field(None, description="barostat's chain substeps per half step")
 
 
+class StochasticCellRescalingSpec(IntegratorSpec):
+    """NPT by stochastic cell rescaling (Bernetti & Bussi 2020) with a Langevin thermostat."""
+
+    class_name: ClassVar[str] = "StochasticCellRescaling"
+    type: Literal["npt_csr"]
+    timestep: Positive = Field(description="fs")
+    temperature: Positive = Field(description="K")
+    pressure: Number = Field(description="target pressure, bar (1 bar = 1e-4 GPa)")
+    compressibility: Positive | None = Field(None, description="compressibility estimate, 1/bar (default 4.5e-5)")
+    taup: Positive | None = Field(None, description="barostat relaxation time, fs (default 1000 timesteps)")
+    friction: Positive | None = Field(None, description="Langevin collision rate, 1/fs")
+    seed: Int | None = Field(None, description="noise seed")
+
+
 class FIRESpec(IntegratorSpec):
     """FIRE energy minimisation."""
 
@@ -86,7 +100,7 @@ class FIRESpec(IntegratorSpec):
     f_alpha: Positive | None = None
 
 
-INTEGRATOR_SPECS = (VelocityVerletSpec, LangevinSpec, NoseHooverChainSpec, IsotropicMTKNPTSpec, FIRESpec)
+INTEGRATOR_SPECS = (VelocityVerletSpec, LangevinSpec, NoseHooverChainSpec, IsotropicMTKNPTSpec, StochasticCellRescalingSpec, FIRESpec)
 
 INTEGRATOR_TYPES: dict[str, str] = {name: spec.class_name for spec in INTEGRATOR_SPECS for name in type_names(spec)}
 """Integrator names accepted in ``integrator.type`` and their classes."""

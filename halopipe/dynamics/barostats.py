@@ -1,4 +1,4 @@
-"""Constant pressure: the isotropic Martyna-Tobias-Klein (MTK) barostat.
+"""Constant pressure: the isotropic Martyna-Tobias-Klein (MTK) barostat and stochastic cell rescaling.
 
 In NPT the cell is a dynamical variable. The MTK equations (Martyna, Tobias &
 Klein, J. Chem. Phys. 101, 4177 (1994); the integrator of Martyna, Tuckerman,
@@ -27,6 +27,13 @@ trajectory; the one difference is the number of degrees of freedom ``Nf``:
 halopipe uses ``3N - 3`` (the total momentum is conserved and zero), ASE
 ``3N``.
 
+:class:`StochasticCellRescaling` (Bernetti & Bussi, J. Chem. Phys. 153,
+114107 (2020)) is a first-order stochastic barostat: the log-volume follows
+``d eps = -(beta/tau_p) (P0 - P_int - kT/V) dt + sqrt(2 kT beta / (V tau_p)) dW``
+(``beta``: an estimate of the compressibility, which sets only the relaxation
+speed). It relaxes fast without ringing and samples NPT, with a Langevin
+thermostat here; it has no conserved quantity of the MTK kind.
+
 Units: fs, K, eV, Å; the target pressure is in bar.
 """
 
@@ -37,10 +44,11 @@ import math
 import torch
 from ase import units
 
-from .integrators import Integrator, MDState, _check_positive
+from .integrators import Integrator, Langevin, MDState, _check_positive
+from .random import BAROSTAT, gaussian
 from .units import KB
 
-__all__ = ["IsotropicMTKNPT", "BAR_TO_EV_PER_A3"]
+__all__ = ["IsotropicMTKNPT", "StochasticCellRescaling", "BAR_TO_EV_PER_A3"]
 
 BAR_TO_EV_PER_A3 = units.bar
 """1 bar in eV/Å³."""
@@ -271,4 +279,80 @@ class IsotropicMTKNPT(Integrator):
         return (
             f"{self.name}, dt = {self.timestep:g} fs, T = {self.temperature:g} K, P = {self.pressure:g} bar, "
             f"tdamp = {self.tdamp:g} fs, pdamp = {self.pdamp:g} fs"
+        )
+
+
+class StochasticCellRescaling(Langevin):
+    """NPT by isotropic stochastic cell rescaling (Bernetti & Bussi 2020) with a Langevin (BAOAB) thermostat.
+
+    Parameters
+    ----------
+    timestep : fs.
+    temperature : K.
+    pressure : target pressure, bar.
+    compressibility : isothermal compressibility estimate, 1/bar (default
+        4.5e-5, water's; it scales the relaxation rate, not the averages).
+    taup : barostat relaxation time, fs (default ``1000 * timestep``).
+    friction : Langevin collision rate, 1/fs.
+    seed : noise seed (the atoms' noise and the cell's, on separate streams).
+
+    Each step, between the last drift and the force call, the log-volume moves
+    by one Euler-Maruyama step of the module docstring's equation, with the
+    internal pressure from the current kinetic energy and the latest stress;
+    positions and cell scale by ``exp(d eps / 3)``, velocities by its inverse.
+    The noise is one number per step keyed by ``(seed, step)``, the same on
+    every rank. The ``conserved`` column is ``E + P0 V - heat`` (the
+    thermostat's heat); it is not conserved here (the barostat's work is not
+    accounted).
+    """
+
+    name = "stochastic cell rescaling NPT (Langevin)"
+
+    def __init__(
+        self,
+        timestep: float,
+        temperature: float,
+        pressure: float = 1.0,
+        compressibility: float = 4.5e-5,
+        taup: float | None = None,
+        friction: float = 0.01,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(timestep, temperature, friction, seed)
+        taup = 1000.0 * self.timestep if taup is None else taup
+        _check_positive(type(self).__name__, temperature=temperature, compressibility=compressibility, taup=taup)
+        if not (isinstance(pressure, (int, float)) and not isinstance(pressure, bool) and math.isfinite(pressure)):
+            raise ValueError(f"{type(self).__name__}: pressure must be a finite number of bar, got {pressure!r}")
+        self.pressure, self.compressibility, self.taup = float(pressure), float(compressibility), float(taup)
+
+    def setup(self, md: MDState, restarted: bool) -> None:
+        if not md.can_stress:
+            raise ValueError(f"{type(self).__name__}: constant pressure needs a cell periodic along all three axes")
+        if md.stress is None:
+            md.want_stress = True
+            md.compute()
+
+    def _before_forces(self, md: MDState) -> None:
+        cell = md.sharded.cell.detach().to(torch.float64)
+        volume = float(torch.linalg.det(cell).abs())
+        kt = KB * self.temperature
+        beta = self.compressibility / BAR_TO_EV_PER_A3  # Å³/eV
+        internal = 2.0 * float(md.kinetic_energy()) / (3.0 * volume) - float(torch.trace(md.stress)) / 3.0
+        drift = -(beta / self.taup) * (self.pressure * BAR_TO_EV_PER_A3 - internal - kt / volume) * self.timestep
+        xi = float(gaussian(self.seed, md.step, torch.zeros(1, dtype=torch.int64), 1, stream=BAROSTAT)[0, 0])
+        d_eps = drift + math.sqrt(2.0 * kt * beta * self.timestep / (volume * self.taup)) * xi
+        scale = math.exp(d_eps / 3.0)
+        md.positions = md.positions * scale
+        md.velocities = md.velocities / scale
+        md.sharded.set_cell(cell * scale)
+        md.want_stress = True
+
+    def extra_energy(self, md: MDState) -> float:
+        volume = float(torch.linalg.det(md.sharded.cell.detach().to(torch.float64)).abs())
+        return super().extra_energy(md) + self.pressure * BAR_TO_EV_PER_A3 * volume
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}, dt = {self.timestep:g} fs, T = {self.temperature:g} K, P = {self.pressure:g} bar, "
+            f"taup = {self.taup:g} fs, compressibility = {self.compressibility:g}/bar, friction = {self.friction:g}/fs, seed {self.seed}"
         )

@@ -6,7 +6,7 @@ import torch
 
 from halopipe import Pipeline
 from halopipe.distributed import DomainConfig, ShardedSystem
-from halopipe.dynamics import IsotropicMTKNPT, Simulation
+from halopipe.dynamics import IsotropicMTKNPT, Simulation, StochasticCellRescaling
 
 from ._workers import argon, lj, rank
 
@@ -14,7 +14,9 @@ from ._workers import argon, lj, rank
 TEMPERATURE, PRESSURE, SKIN = 300.0, 500.0, 0.4
 
 
-def npt(timestep: float = 2.0) -> IsotropicMTKNPT:
+def npt(timestep: float = 2.0, kind: str = "mtk") -> IsotropicMTKNPT | StochasticCellRescaling:
+    if kind == "csr":
+        return StochasticCellRescaling(timestep, TEMPERATURE, PRESSURE, compressibility=1e-4, taup=200.0, friction=0.01, seed=3)
     return IsotropicMTKNPT(timestep, TEMPERATURE, PRESSURE, tdamp=50.0, pdamp=200.0)
 
 
@@ -27,7 +29,7 @@ def _final(sim: Simulation, owners_before: torch.Tensor) -> dict:
     """
     final = sim.system()
     owners = _owners(sim)
-    thermo = sim.thermo()
+    thermo, state = sim.thermo(), sim.integrator.state_dict(sim.md)  # collective
     if rank() != 0:
         return {}
     return {
@@ -35,7 +37,7 @@ def _final(sim: Simulation, owners_before: torch.Tensor) -> dict:
         "velocities": final.fields["velocities"].numpy(),
         "cell": final.cell.numpy().copy(),
         "step": sim.step,
-        "state": sim.integrator.state_dict(sim.md),
+        "state": state,
         "thermo": thermo,
         "rebuilds": sim.sharded.rebuilds,
         "owner_changes": int((owners != owners_before).sum()),
@@ -47,13 +49,13 @@ def _owners(sim: Simulation) -> torch.Tensor:
     return sim.sharded.gather(torch.full((sim.sharded.n_owned,), sim.rank, dtype=torch.int64))
 
 
-def npt_run(steps: int, path: str | None = None, restart_from: str | None = None) -> dict:
+def npt_run(steps: int, path: str | None = None, restart_from: str | None = None, kind: str = "mtk") -> dict:
     """NPT for ``steps`` steps in all (fresh or restarted from ``restart_from``), checkpointing to ``path``."""
     potential = Pipeline([lj()], config=DomainConfig(skin=SKIN))
     if restart_from is not None:
-        sim = Simulation.restart(restart_from, potential, npt(), checkpoint=path)
+        sim = Simulation.restart(restart_from, potential, npt(kind=kind), checkpoint=path)
     else:
-        sim = Simulation(potential, argon(cells=3) if rank() == 0 else None, npt(), checkpoint=path)
+        sim = Simulation(potential, argon(cells=3) if rank() == 0 else None, npt(kind=kind), checkpoint=path)
         sim.set_velocities(TEMPERATURE, seed=5)
     before = _owners(sim)
     sim.run(steps - sim.step)
