@@ -62,7 +62,7 @@ def npt_run(steps: int, path: str | None = None, restart_from: str | None = None
     return _final(sim, before)
 
 
-def strained_forces(system, scales: list[float], skin: float, model=None) -> list[dict]:
+def strained_forces(system, scales: list, skin: float, model=None) -> list[dict]:
     """Evaluate, then again with cell and positions ``scale`` times the originals, per scale (numpy, on rank 0)."""
     model = model if model is not None else lj()
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=skin))
@@ -70,9 +70,10 @@ def strained_forces(system, scales: list[float], skin: float, model=None) -> lis
     potential(sharded, stress=True)
     cell, positions = sharded.cell.clone(), sharded.positions.clone()
     out = []
-    for scale in scales:
-        sharded.set_cell(cell * scale)
-        sharded.positions = positions * scale
+    for scale in scales:  # a number (isotropic) or a (3, 3) deformation applied to row vectors
+        deform = torch.as_tensor(scale, dtype=cell.dtype) * torch.eye(3, dtype=cell.dtype) if isinstance(scale, float) else scale
+        sharded.set_cell(cell @ deform)
+        sharded.positions = positions @ deform
         before = sharded.rebuilds
         result = potential(sharded, stress=True)
         out.append(
