@@ -30,7 +30,7 @@ import torch
 from .geometry import Partition, images_near_bricks
 from .neighbors import max_displacement
 
-__all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN"]
+__all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
 DEFAULT_SKIN = 1.0
 """Default neighbour-list skin, Å.
@@ -121,6 +121,30 @@ def skin_margin(skin: float) -> float:
     to ``w + 1.5 * skin`` from the brick.
     """
     return 1.5 * float(skin)
+
+
+def strain_displacement(ref_cell: torch.Tensor, cell: torch.Tensor, reach: float) -> tuple[float, torch.Tensor]:
+    """How far a cell change since a plan's build counts as atom motion, and the affine map.
+
+    A plan built at ``ref_cell`` holds pairs and ghosts up to ``reach`` Å
+    (widest halo plus the skin margin). When the cell becomes ``cell`` every
+    position maps affinely, ``r -> r @ M`` with ``M = ref_cell^-1 @ cell``,
+    and a separation ``d <= reach`` changes length by at most
+    ``e * reach`` with ``e = max(|s_max - 1|, |1 - s_min|)`` (``s``: the
+    singular values of ``M``, the principal stretches). A separation can
+    shrink by twice an atom's displacement, so this change counts as a
+    displacement of ``e * reach / 2``; the plan stays valid while that plus
+    the largest displacement beyond the affine one (``|r - r_ref @ M|``)
+    is at most skin/2, the rule of the fixed cell.
+
+    Returns
+    -------
+    (extra displacement in Å, ``M`` in float64)
+    """
+    mapping = torch.linalg.solve(ref_cell.detach().to(torch.float64), cell.detach().to(torch.float64))
+    stretches = torch.linalg.svdvals(mapping)
+    strain = max(float(stretches.max()) - 1.0, 1.0 - float(stretches.min()), 0.0)
+    return 0.5 * strain * float(reach), mapping
 
 
 class Domain:

@@ -15,6 +15,7 @@ single process and reports the differences of energies, forces and stress.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from contextlib import ExitStack
@@ -199,6 +200,8 @@ def _print_summary(result: dict) -> None:
         f"final: T = {th['temperature']:.1f} K, E_pot = {th['potential']:.6f} eV, E_total = {th['total']:.6f} eV, "
         f"conserved = {th['conserved']:.6f} eV"
     )
+    if math.isfinite(th.get("density", math.nan)):  # NaN unless periodic
+        print(f"final cell: V = {th['volume']:.2f} Å³, density = {th['density']:.4f} g/cm³")
     drift = _drift(directory / THERMO, result["n_atoms"])
     if drift is not None and result["integrator"] != "FIRE":
         print(f"conserved-energy drift: {drift * 1e3:.3g} meV/atom/ps")

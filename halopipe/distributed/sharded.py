@@ -7,6 +7,10 @@ it, a halo plan. Plans are rebuilt only when some atom moved more than skin/2
 since the last build (decided globally, so all ranks rebuild together); at a
 rebuild atoms that left their brick by more than skin/2 migrate to their new
 owner (the skin/2 hysteresis keeps boundary atoms from flipping every step).
+A barostat changes the cell with :meth:`ShardedSystem.set_cell`: bricks are
+fractional, so they follow the cell, ghost rows are placed with the current
+cell, and the rebuild test adds the cell's strain since the last build to the
+atoms' displacements (:func:`~halopipe.domain.strain_displacement`).
 
 ``ShardedSystem`` implements the :class:`~halopipe.domain.Domain` interface,
 so :func:`halopipe.pipeline.evaluate` runs on it unchanged.
@@ -19,7 +23,7 @@ import math
 
 import torch
 
-from ..domain import Domain, DomainConfig, next_plan_version, skin_margin
+from ..domain import Domain, DomainConfig, next_plan_version, skin_margin, strain_displacement
 from ..geometry import Geometry, Partition, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
 from ..system import System
@@ -44,6 +48,7 @@ class ShardedSystem(Domain):
         self.rebuilds = 0
         self._width = -1.0
         self._ref: torch.Tensor | None = None
+        self._ref_cell: torch.Tensor | None = None
 
     # ------------------------------------------------------------- creation
     @classmethod
@@ -139,20 +144,41 @@ class ShardedSystem(Domain):
         return self.plan.n_ghost
 
     # ------------------------------------------------------------ the plan
+    def set_cell(self, cell: torch.Tensor) -> None:
+        """Take a new cell (a barostat's step); positions are the caller's to scale.
+
+        The plan stays valid while the strain since its build, counted as an
+        extra displacement by :meth:`prepare`, fits in the skin.
+        """
+        cell = torch.as_tensor(cell, dtype=self.cell.dtype, device=self.cell.device)
+        if cell.shape != (3, 3) or not bool(cell.isfinite().all()) or abs(float(torch.linalg.det(cell.detach().double()))) < 1e-12:
+            raise ValueError(f"ShardedSystem.set_cell: expected a finite (3, 3) cell with non-zero volume, got {cell.tolist()}")
+        self.cell = cell
+
     def prepare(self, width: float) -> bool:
-        """Rebuild plan (with migration) if needed for ``width``; collective."""
-        moved = (
-            max_displacement(self.positions, self._ref) if self._ref is not None and self._ref.shape == self.positions.shape else math.inf
-        )
-        flags = torch.tensor(
-            [moved if math.isfinite(moved) else 1e300, float(self.plan is None or width > self._width)], dtype=torch.float64
-        )
+        """Rebuild plan (with migration) if needed for ``width``; collective.
+
+        Rebuilds when some atom moved, beyond the affine motion a changed cell
+        imposes, by more than skin/2 minus the strain's share (see
+        :func:`~halopipe.domain.strain_displacement`).
+        """
+        stale = self.plan is None or width > self._width or self._ref is None or self._ref.shape != self.positions.shape
+        moved = math.inf if stale else self._displacement(width)
+        flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(stale)], dtype=torch.float64)
         flags = self.comm.all_reduce(flags, "max")
         threshold = 0.5 * self.skin if self.skin > 0 else 0.0
         if flags[1] > 0 or flags[0] > threshold:
             self._repartition(hysteresis=True, width=max(width, self._width))  # never narrower than planned before
             return True
         return False
+
+    def _displacement(self, width: float) -> float:
+        """Largest non-affine displacement since the plan's build plus the cell strain's equivalent, Å."""
+        if torch.equal(self.cell, self._ref_cell):
+            return max_displacement(self.positions, self._ref)
+        reach = max(width, self._width) + skin_margin(self.skin)
+        extra, mapping = strain_displacement(self._ref_cell, self.cell, reach)
+        return max_displacement(self.positions, self._ref @ mapping.to(self._ref.dtype)) + extra
 
     def _repartition(self, hysteresis: bool, width: float | None = None) -> None:
         self.partition = self._build_partition()
@@ -187,6 +213,7 @@ class ShardedSystem(Domain):
         self.ghost_numbers, self.ghost_ids = self.plan.ghost_numbers, self.plan.ghost_ids
         self.ghost_shift, self.ghost_distance = self.plan.ghost_shift, self.plan.ghost_distance
         self._ref = self.positions.detach().clone()
+        self._ref_cell = self.cell.detach().clone()
         self._width = float(width)
         self.plan_version = next_plan_version()
         self.rebuilds += 1

@@ -226,8 +226,12 @@ class Langevin(Integrator):
         self._heat_local = self._heat_local + 0.5 * KINETIC * (md.masses[:, None] * v.square() - before).sum()
         md.velocities = v
         md.positions = x + half * v
+        self._before_forces(md)
         md.compute()
         md.velocities = md.velocities + half * md.accelerations()
+
+    def _before_forces(self, md: MDState) -> None:
+        """Hook between the last drift and the force call (a barostat rescales the cell here)."""
 
     def heat(self, md: MDState) -> float:
         """Kinetic energy added by the thermostat since the start, eV (collective)."""

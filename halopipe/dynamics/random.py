@@ -19,12 +19,14 @@ import math
 
 import torch
 
-__all__ = ["splitmix64", "uniform", "gaussian", "LANGEVIN", "VELOCITIES"]
+__all__ = ["splitmix64", "uniform", "gaussian", "LANGEVIN", "VELOCITIES", "BAROSTAT"]
 
 LANGEVIN = 1
 """Stream of the Langevin thermostat noise."""
 VELOCITIES = 2
 """Stream of the Maxwell-Boltzmann initial velocities."""
+BAROSTAT = 3
+"""Stream of the stochastic cell rescaling noise (one number per step, id 0)."""
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

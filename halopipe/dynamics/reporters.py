@@ -12,11 +12,13 @@ to the checkpoint's step so the files equal those of an uninterrupted run.
 * :class:`ProgressBar`: a tqdm bar with steps/s, ns/day and ETA on rank 0
   (stderr); its rate is that of :attr:`Simulation.timing`, which run
   summaries print too.
-* :class:`ThermoLog`: CSV of step, time, energies, temperature and pressure.
+* :class:`ThermoLog`: CSV of step, time, energies, temperature, pressure,
+  volume and density.
 * :class:`Trajectory`: extended XYZ (via ASE) in the original atom order,
   with velocities, forces and energy.
 * :class:`EnergyPlot`: at the end, a PNG of the energies, the conserved-energy
-  drift (the NVE check) on its own axis, temperature and pressure vs time.
+  drift (the NVE check) on its own axis, temperature, pressure and density
+  vs time.
 """
 
 from __future__ import annotations
@@ -39,8 +41,19 @@ __all__ = [
     "plot_thermo",
 ]
 
-THERMO_COLUMNS = ("step", "time_fs", "potential_eV", "kinetic_eV", "total_eV", "conserved_eV", "temperature_K", "pressure_GPa")
-_THERMO_KEYS = ("step", "time", "potential", "kinetic", "total", "conserved", "temperature", "pressure")
+THERMO_COLUMNS = (
+    "step",
+    "time_fs",
+    "potential_eV",
+    "kinetic_eV",
+    "total_eV",
+    "conserved_eV",
+    "temperature_K",
+    "pressure_GPa",
+    "volume_A3",
+    "density_g_cm3",
+)
+_THERMO_KEYS = ("step", "time", "potential", "kinetic", "total", "conserved", "temperature", "pressure", "volume", "density")
 
 
 class Reporter:
@@ -163,7 +176,7 @@ class ThermoLog(Reporter):
             writer = csv.writer(handle)
             writer.writerow(THERMO_COLUMNS)
             for row in kept:
-                writer.writerow([row[c] for c in THERMO_COLUMNS])
+                writer.writerow([row.get(c) or "nan" for c in THERMO_COLUMNS])  # a log from before a column existed
 
     def report(self, sim, thermo) -> None:
         if sim.rank != 0:
@@ -174,10 +187,10 @@ class ThermoLog(Reporter):
 
 
 def read_thermo(path: str | Path) -> dict[str, list[float]]:
-    """Columns of a thermo CSV as lists of floats."""
+    """Columns of a thermo CSV as lists of floats (NaN for a column an older log lacks)."""
     with open(path, newline="") as handle:
         rows = list(csv.DictReader(handle))
-    return {c: [float(r[c]) for r in rows] for c in THERMO_COLUMNS}
+    return {c: [float(r.get(c) or "nan") for r in rows] for c in THERMO_COLUMNS}
 
 
 class Trajectory(Reporter):
@@ -248,14 +261,15 @@ class EnergyPlot(Reporter):
 
 
 def thermo_figure(data: dict[str, list[float]], n_atoms: int, title: str | None = None):
-    """A figure of a thermo log (columns as :func:`read_thermo` returns them), four panels sharing the time axis.
+    """A figure of a thermo log (columns as :func:`read_thermo` returns them), five panels sharing the time axis.
 
     1. potential, kinetic and total energy relative to their first values;
     2. the conserved quantity's drift, ``conserved - conserved(0)`` in meV/atom:
        flat for a sound NVE run (or thermostat run, whose conserved quantity
        includes the bath), so a drift shows here on its own scale;
     3. temperature;
-    4. pressure (where it was evaluated).
+    4. pressure (where it was evaluated);
+    5. density (g/cm³; constant unless a barostat moves the cell).
     """
     import matplotlib
 
@@ -263,7 +277,7 @@ def thermo_figure(data: dict[str, list[float]], n_atoms: int, title: str | None 
     import matplotlib.pyplot as plt
 
     t = [x / 1000.0 for x in data["time_fs"]]
-    fig, (energy, drift, temperature, pressure) = plt.subplots(4, 1, sharex=True, figsize=(7, 9), constrained_layout=True)
+    fig, (energy, drift, temperature, pressure, density) = plt.subplots(5, 1, sharex=True, figsize=(7, 11), constrained_layout=True)
     for key, label in (("potential_eV", "potential"), ("kinetic_eV", "kinetic"), ("total_eV", "total")):
         values = data[key]
         if values:
@@ -278,7 +292,10 @@ def thermo_figure(data: dict[str, list[float]], n_atoms: int, title: str | None 
     finite = [(x, p) for x, p in zip(t, data["pressure_GPa"]) if math.isfinite(p)]
     pressure.plot([x for x, _ in finite], [p for _, p in finite], color="tab:blue")
     pressure.set_ylabel("pressure [GPa]")
-    pressure.set_xlabel("time [ps]")
+    finite = [(x, d) for x, d in zip(t, data["density_g_cm3"]) if math.isfinite(d)]
+    density.plot([x for x, _ in finite], [d for _, d in finite], color="tab:green")
+    density.set_ylabel("density [g/cm³]")
+    density.set_xlabel("time [ps]")
     if title:
         energy.set_title(title, fontsize="small", wrap=True)
     return fig

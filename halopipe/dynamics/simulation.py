@@ -31,7 +31,7 @@ from ..pipeline import Pipeline
 from ..system import System
 from .fingerprint import fingerprint_changes, integrator_fingerprint, pipeline_fingerprint, system_identity
 from .integrators import Integrator, MDState
-from .units import EV_PER_A3_TO_GPA, KB
+from .units import AMU_PER_A3_TO_G_PER_CM3, EV_PER_A3_TO_GPA, KB
 from .velocities import maxwell_boltzmann
 
 __all__ = [
@@ -264,8 +264,12 @@ class Simulation:
             raise CheckpointMismatch(path, changes)
         system_now = checkpoint_system(state, device=device) if state is not None else None
         sim = cls(potential, system_now, integrator, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
-        head = {"step": state["step"], "time": state["time"], "integrator": state["integrator"]} if state is not None else None
+        head = None
+        if state is not None:
+            head = {"step": state["step"], "time": state["time"], "integrator": state["integrator"], "system": state["physics"]["system"]}
         head = sim.sharded.comm.broadcast_object(head, src=0)
+        # The configured system's identity, not the checkpoint's current cell (a barostat moves it).
+        sim.fingerprint["system"] = head["system"]
         sim.md.step, sim.md.time = int(head["step"]), float(head["time"])
         integrator.load_state_dict(head["integrator"]["state"], sim.md)
         sim.changes = changes
@@ -371,15 +375,18 @@ class Simulation:
 
         Keys: ``step``, ``time`` (fs), ``potential``, ``kinetic``, ``total``,
         ``conserved`` (eV), ``temperature`` (K), ``pressure`` (GPa; NaN when the
-        stress was not evaluated at this step or the cell is not periodic).
+        stress was not evaluated at this step or the cell is not periodic),
+        ``volume`` (Å³) and ``density`` (g/cm³; NaN unless periodic along all
+        three axes).
         """
         md = self.md
         kinetic = float(md.kinetic_energy())
         potential = float(md.energy)
         dof = self.integrator.dof(md.n_total)
+        volume = float(torch.linalg.det(self.sharded.cell.to(torch.float64)).abs()) if md.can_stress else math.nan
+        mass = float(md.reduce(md.masses.sum().reshape(1).to(torch.float64))[0])
         pressure = math.nan
         if md.stress is not None and md.want_stress:
-            volume = float(torch.linalg.det(self.sharded.cell.to(torch.float64)).abs())
             pressure = (2.0 * kinetic / (3.0 * volume) - float(torch.trace(md.stress)) / 3.0) * EV_PER_A3_TO_GPA
         total = potential + kinetic
         return {
@@ -391,6 +398,8 @@ class Simulation:
             "conserved": total + self.integrator.extra_energy(md),
             "temperature": 2.0 * kinetic / (dof * KB) if dof else 0.0,
             "pressure": pressure,
+            "volume": volume,
+            "density": mass * AMU_PER_A3_TO_G_PER_CM3 / volume,
         }
 
     # --------------------------------------------------------- checkpoints

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ase import units
 
-__all__ = ["ACCELERATION", "KB", "EV_PER_A3_TO_GPA", "KINETIC"]
+__all__ = ["ACCELERATION", "KB", "EV_PER_A3_TO_GPA", "KINETIC", "AMU_PER_A3_TO_G_PER_CM3"]
 
 ACCELERATION = units.fs**2
 """1 eV/(Å·amu) in Å/fs²."""
@@ -24,3 +24,6 @@ KB = units.kB
 
 EV_PER_A3_TO_GPA = 1.0 / units.GPa
 """1 eV/Å³ in GPa."""
+
+AMU_PER_A3_TO_G_PER_CM3 = units._amu * 1e3 / 1e-24
+"""1 amu/Å³ in g/cm³ (a density)."""

@@ -35,9 +35,12 @@ def test_thermo_figure_has_drift_temperature_and_pressure_axes(tmp_path):
     data = read_thermo(tmp_path / "t.csv")
     fig = thermo_figure(data, n_atoms=32)
     labels = [ax.get_ylabel() for ax in fig.axes]
-    assert labels == ["E - E(0)  [eV]", "conserved drift\n[meV/atom]", "temperature [K]", "pressure [GPa]"]
+    assert labels == ["E - E(0)  [eV]", "conserved drift\n[meV/atom]", "temperature [K]", "pressure [GPa]", "density [g/cm³]"]
     drift = fig.axes[1].lines[0].get_ydata()
     conserved = np.asarray(data["conserved_eV"])
     np.testing.assert_allclose(drift, (conserved - conserved[0]) * 1000 / 32, rtol=0, atol=1e-12)
     np.testing.assert_allclose(fig.axes[3].lines[0].get_ydata(), data["pressure_GPa"], rtol=0, atol=0)
     assert np.isfinite(data["pressure_GPa"]).all()
+    # 32 argon atoms in a 10.52 Å cube: an independent density in g/cm³
+    np.testing.assert_allclose(data["density_g_cm3"], 32 * 39.948 * 1.66053906660 / 10.52**3, rtol=1e-6)
+    np.testing.assert_allclose(fig.axes[4].lines[0].get_ydata(), data["density_g_cm3"], rtol=0, atol=0)
