@@ -28,6 +28,7 @@ import ctypes
 import datetime
 import math
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -133,13 +134,19 @@ def _collect(procs, results, timeout: float) -> dict[int, tuple[bool, object]]:
     grace_end = math.inf
     while len(reports) < len(procs) and time.monotonic() < min(deadline, grace_end):
         try:
-            rank, ok, value = results.get(timeout=0.1)
+            rank, ok, value = _unpacked(results.get(timeout=0.1))
             reports[rank] = (ok, value)
         except queue.Empty:
             _note_silent_deaths(procs, results, reports)
         if grace_end == math.inf and any(not ok for ok, _ in reports.values()):
             grace_end = time.monotonic() + GRACE_SECONDS
     return reports
+
+
+def _unpacked(report: tuple) -> tuple:
+    """A rank's report with its return value unpickled (see :func:`_packed`)."""
+    rank, ok, value = report
+    return rank, ok, pickle.loads(value) if ok else value
 
 
 def _note_silent_deaths(procs, results, reports: dict) -> None:
@@ -149,7 +156,7 @@ def _note_silent_deaths(procs, results, reports: dict) -> None:
             continue
         with contextlib.suppress(queue.Empty):  # its report may have arrived just before it exited
             while True:
-                rank, ok, value = results.get_nowait()
+                rank, ok, value = _unpacked(results.get_nowait())
                 reports[rank] = (ok, value)
         if r not in reports:
             why = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
@@ -233,10 +240,26 @@ def _worker(rank: int, nproc: int, port: int, backend: str, threads: int, fn, ar
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    results.put((rank, True, value))
+    try:
+        packed = _packed(value)
+    except Exception as exc:
+        results.put((rank, False, _failure_report(rank, exc)))
+    else:
+        results.put((rank, True, packed))
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def _packed(value) -> bytes:
+    """The return value pickled by value.
+
+    torch's multiprocessing queue would pass tensors as shared-memory file
+    descriptors, which the launcher can only open while the rank still runs;
+    a rank that returns and exits first leaves a ConnectionResetError. Plain
+    pickle copies the data, so a report outlives its rank.
+    """
+    return pickle.dumps(value)
 
 
 def _failure_report(rank: int, exc: BaseException) -> dict:
