@@ -19,7 +19,16 @@ import numpy as np
 import torch
 from vesin import NeighborList as _VesinNeighborList
 
-__all__ = ["neighbor_list", "owned_pairs", "owned_half_pairs", "owned_pairs_cell_list", "pair_vectors", "VerletList", "max_displacement"]
+__all__ = [
+    "neighbor_list",
+    "owned_pairs",
+    "row_centred_pairs",
+    "owned_half_pairs",
+    "owned_pairs_cell_list",
+    "pair_vectors",
+    "VerletList",
+    "max_displacement",
+]
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
@@ -93,6 +102,17 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     a, b = a[keep], b[keep]
     a_first = a < n_owned
     return torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)])
+
+
+def row_centred_pairs(rows: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs within ``cutoff`` with every row as a centre, and their vectors (differentiable in ``rows``).
+
+    Message-passing models in a wide halo use it: ghost rows then get (partial)
+    features of their own, whose errors never reach owned rows.
+    """
+    pairs = owned_pairs(rows.detach(), rows.shape[0], cutoff)
+    vectors, _ = pair_vectors(rows, pairs)
+    return pairs, vectors
 
 
 def owned_pairs_cell_list(rows: torch.Tensor, n_owned: int, cutoff: float, max_candidates: int = 1 << 24) -> torch.Tensor:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..neighbors import owned_pairs, pair_vectors
+from ..neighbors import row_centred_pairs
 from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["MACE"]
@@ -186,9 +186,7 @@ class MACE(Model):
     def _graph(self, view: LocalView, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """MACE edge_index (sender, receiver) and edge vectors r_receiver - r_sender."""
         if self.halo_mode == "wide":
-            # Every row is a centre so that ghosts get (partial) features of their own.
-            pairs = owned_pairs(view.positions.detach(), view.n_rows, self.cutoff)
-            vectors, _ = pair_vectors(view.positions, pairs)
+            pairs, vectors = row_centred_pairs(view.positions, self.cutoff)
         else:
             pairs, vectors = view.pairs, view.vectors
         return torch.stack([pairs[1], pairs[0]]), -vectors.to(dtype)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ..neighbors import owned_pairs, pair_vectors
+from ..neighbors import row_centred_pairs
 from .base import LocalView, Model, ModelOutput
 
 __all__ = ["SevenNet"]
@@ -190,9 +190,7 @@ class SevenNet(Model):
     def _graph(self, view: LocalView, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """sevenn edge_index (centre, neighbour) and edge vectors r_neighbour - r_centre."""
         if self.halo_mode == "wide":
-            # Every row is a centre so that ghosts get (partial) features of their own.
-            pairs = owned_pairs(view.positions.detach(), view.n_rows, self.cutoff)
-            vectors, _ = pair_vectors(view.positions, pairs)
+            pairs, vectors = row_centred_pairs(view.positions, self.cutoff)
         else:
             pairs, vectors = view.pairs, view.vectors
         return pairs, vectors.to(dtype)
