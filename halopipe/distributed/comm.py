@@ -77,6 +77,20 @@ class Comm:
             return x
         return GlobalSum.apply(x, self)
 
+    def all_to_all(self, x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """Send consecutive pieces of the 1-D tensor ``x`` (``send_sizes[r]`` elements to rank ``r``).
+
+        Returns the received pieces concatenated by source rank (``recv_sizes``);
+        one ``all_to_all_single`` (gloo and NCCL). Not differentiable by itself.
+        """
+        if not self.distributed:
+            return x.clone()
+        y = torch.empty(sum(recv_sizes), dtype=x.dtype, device=self.device)
+        t = x.detach().to(self.device).contiguous()
+        self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
+        self._checked(lambda: dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group))
+        return y.to(x.device)
+
     def all_gather_object(self, obj) -> list:
         if not self.distributed:
             return [obj]
