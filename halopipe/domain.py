@@ -18,6 +18,7 @@ import itertools
 
 import torch
 
+from .meshfft import LocalMeshTransform, MeshTransform
 from .neighbors import max_displacement
 
 __all__ = ["Domain", "LocalDomain", "skin_margin", "next_plan_version"]
@@ -110,6 +111,10 @@ class Domain:
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Non-differentiable reduction over ranks (identity on one process)."""
         return x
+
+    def mesh_transform(self, sizes) -> MeshTransform:
+        """The (possibly distributed) 3-D FFT of a mesh of ``sizes`` shared by this domain's processes."""
+        return LocalMeshTransform(sizes)
 
     def prepare(self, width: float) -> bool:  # pragma: no cover - interface
         """Make the ghost plan valid for ``width``; returns True if it was rebuilt."""

@@ -255,6 +255,7 @@ def build_view(
         n_total=domain.n_total,
         ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
         cutoff=float(model.cutoff),
+        mesh_transform=domain.mesh_transform,
     )
 
 

@@ -23,6 +23,7 @@ from ..domain import Domain, next_plan_version, skin_margin
 from ..neighbors import max_displacement
 from ..system import System
 from .comm import Comm
+from .fft import SlabMeshTransform
 from .halo import HaloGather, HaloPlan
 from .partition import Partition, choose_grid, images_near_bricks
 
@@ -84,6 +85,7 @@ class ShardedSystem(Domain):
         self.rebuilds = 0
         self._width = -1.0
         self._ref: torch.Tensor | None = None
+        self._mesh_transforms: dict[tuple[int, int, int], SlabMeshTransform] = {}
 
     # ------------------------------------------------------------- creation
     @classmethod
@@ -159,6 +161,13 @@ class ShardedSystem(Domain):
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.comm.all_reduce(x, op)
+
+    def mesh_transform(self, sizes) -> SlabMeshTransform:
+        """The slab-decomposed FFT of a mesh of ``sizes`` over this system's ranks (cached per size)."""
+        key = tuple(int(n) for n in sizes)
+        if key not in self._mesh_transforms:
+            self._mesh_transforms[key] = SlabMeshTransform(self.comm, key)
+        return self._mesh_transforms[key]
 
     # ------------------------------------------------------------ the plan
     def prepare(self, width: float) -> bool:

@@ -64,6 +64,7 @@ import math
 import torch
 from torchpme.lib import KSpaceFilter, KSpaceKernel, MeshInterpolator
 
+from ..meshfft import MeshTransform
 from .base import LocalView
 from .coulomb import COULOMB_CONSTANT
 from .ewald import SplitCoulomb, accuracy_exponent
@@ -72,6 +73,8 @@ __all__ = ["PME", "mesh_size", "default_mesh_spacing", "bspline_influence"]
 
 _MAX_ORDER = 5  # torch-pme's B-spline ("P3M") interpolator supports orders 1..5
 _MIN_ORDER = 3  # orders 1-2 give discontinuous forces and need absurdly fine meshes
+_MESH_MODES = ("auto", "replicated", "distributed")
+DISTRIBUTED_MESH_MIN_POINTS = 32**3  # PME(mesh="auto") crossover, see the module docstring
 _MAX_MESH_POINTS = 1 << 26  # 0.5 GiB per float64 mesh: beyond it, ask for a coarser setting
 
 
@@ -174,6 +177,12 @@ class PME(SplitCoulomb):
     order : B-spline order (number of mesh points per axis each charge
         touches), 3 to 5; 4 (cubic) is the usual choice.
     alpha : splitting parameter override, 1/Å.
+    mesh : how the mesh is shared between ranks: ``"replicated"`` (every rank
+        holds the whole mesh; one all-reduce of it), ``"distributed"`` (slabs
+        of the mesh per rank, FFT with all-to-all transposes; memory
+        ``O(M / P)``) or ``"auto"`` (distributed when several ranks share a
+        mesh of at least ``DISTRIBUTED_MESH_MIN_POINTS`` points). The two
+        give the same result to rounding.
 
     Consumes the per-atom field ``charges`` (e); the cell must be periodic
     along all three axes. See the module docstring for the replicated-mesh
@@ -188,8 +197,12 @@ class PME(SplitCoulomb):
         mesh_size: tuple[int, int, int] | None = None,
         order: int = 4,
         alpha: float | None = None,
+        mesh: str = "auto",
     ) -> None:
         super().__init__(cutoff, accuracy, alpha, None)
+        if mesh not in _MESH_MODES:
+            raise ValueError(f"PME: mesh must be one of {_MESH_MODES}, got {mesh!r}")
+        self.mesh_mode = mesh
         if order not in range(_MIN_ORDER, _MAX_ORDER + 1):
             raise ValueError(f"PME: order must be {_MIN_ORDER}..{_MAX_ORDER} (B-spline points per axis), got {order}; 4 is usual")
         if mesh_size is not None:
@@ -213,9 +226,28 @@ class PME(SplitCoulomb):
         return sizes
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
+        sizes = self.mesh(view.cell)
+        transform = view.mesh_transform(sizes) if view.mesh_transform is not None else None
+        if transform is not None and self._distributes(transform):
+            return self._reciprocal_distributed(view, q_owned, transform)
+        return self._reciprocal_replicated(view, q_owned, sizes)
+
+    def _distributes(self, transform: MeshTransform) -> bool:
+        """Whether this evaluation uses the distributed mesh (see ``mesh`` in the class docstring)."""
+        if self.mesh_mode == "auto":
+            return transform.parts > 1 and math.prod(transform.sizes) >= DISTRIBUTED_MESH_MIN_POINTS
+        return self.mesh_mode == "distributed"
+
+    def _influence(self, m0: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, sizes, dtype, device) -> torch.Tensor:
+        """``1 / |b(m)|^2`` at the integer frequencies ``m0, m1, m2`` (broadcast)."""
+        b0 = bspline_influence(sizes[0], self.order, False, dtype, device)[m0 % sizes[0]]
+        b1 = bspline_influence(sizes[1], self.order, False, dtype, device)[m1 % sizes[1]]
+        b2 = bspline_influence(sizes[2], self.order, True, dtype, device)[m2]
+        return b0 * b1 * b2
+
+    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         cell = view.cell
         dtype, device = cell.dtype, cell.device
-        sizes = self.mesh(cell)
         ns = torch.tensor(sizes, device=device)
         influence = (
             bspline_influence(sizes[0], self.order, False, dtype, device)[:, None, None]
@@ -231,3 +263,61 @@ class PME(SplitCoulomb):
         rho = view.global_sum(interpolator.points_to_mesh(q_owned[:, None]))
         phi = interpolator.mesh_to_points(kfilter(rho))[:, 0]
         return 0.5 * q_owned * phi
+
+    def _reciprocal_distributed(self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+        """Spread onto this rank's support box, FFT over the ranks' slabs, filter owned k-points, interpolate back."""
+        cell, sizes = view.cell, transform.sizes
+        stencil = _Stencil(cell, view.positions[: view.n_owned], sizes, self.order)
+        boxmap = transform.boxes(stencil.lo, stencil.extent)
+        spectrum = transform.forward(boxmap.to_mesh(stencil.spread(q_owned)))
+        m0, m1, m2 = transform.frequencies(cell.device)
+        reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
+        k = m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
+        influence = self._influence(m0, m1, m2, sizes, cell.dtype, cell.device)
+        kernel = _SPMEKernel(self.alpha, torch.linalg.det(cell).abs(), influence).kernel_from_k_sq((k * k).sum(-1))
+        phi = stencil.interpolate(boxmap.from_mesh(transform.inverse(spectrum * kernel)))
+        return 0.5 * q_owned * phi
+
+
+class _Stencil:
+    """The B-spline support of a set of atoms, as one periodic box of mesh points.
+
+    Weights are torch-pme's ``P3M`` B-splines (the replicated path's), so both
+    paths spread identical values. ``lo`` / ``extent`` describe the smallest
+    box (per axis, wrapping) holding every atom's ``order`` support points;
+    an axis the atoms span entirely becomes the whole axis.
+    """
+
+    def __init__(self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int) -> None:
+        n, device = positions.shape[0], cell.device
+        ns = torch.tensor(sizes, device=device)
+        interpolator = MeshInterpolator(cell, ns, interpolation_nodes=order, method="P3M")
+        interpolator.compute_weights(positions)
+        weights = interpolator.interpolation_weights  # (order, n, 3), differentiable
+        # The same first support point as torch-pme's, but not wrapped into the mesh.
+        relative = (ns * torch.matmul(positions, interpolator.inverse_cell)).detach()
+        nearest = torch.floor(relative) if order % 2 == 0 else torch.round(relative)
+        first = nearest.long() + (1 - (order + 1) // 2)
+        if n:
+            lo = first.min(dim=0).values
+            extent = first.max(dim=0).values + order - lo
+            whole = extent >= ns
+            lo, extent = torch.where(whole, 0, lo), torch.where(whole, ns, extent)
+        else:
+            lo = extent = torch.zeros(3, dtype=torch.long, device=device)
+        self.lo, self.extent = tuple(lo.tolist()), tuple(extent.tolist())
+        steps = torch.arange(order, device=device)
+        local = (first[:, None, :] + steps[None, :, None] - lo) % ns  # (n, order, 3) box indices
+        e1, e2 = self.extent[1], self.extent[2]
+        self.flat = ((local[:, :, None, None, 0] * e1 + local[:, None, :, None, 1]) * e2 + local[:, None, None, :, 2]).reshape(n, -1)
+        w = weights.permute(1, 0, 2)  # (n, order, 3)
+        self.weights = (w[:, :, None, None, 0] * w[:, None, :, None, 1] * w[:, None, None, :, 2]).reshape(n, -1)
+
+    def spread(self, q: torch.Tensor) -> torch.Tensor:
+        """The box of mesh charges of these atoms."""
+        box = q.new_zeros(math.prod(self.extent))
+        return box.index_add(0, self.flat.reshape(-1), (q[:, None] * self.weights).reshape(-1)).reshape(self.extent)
+
+    def interpolate(self, box: torch.Tensor) -> torch.Tensor:
+        """A box of mesh values interpolated at the atoms."""
+        return (box.reshape(-1)[self.flat] * self.weights).sum(dim=1)
