@@ -65,7 +65,8 @@ def _fft(fn, x: torch.Tensor, dim: int, norm: str, n: int | None = None) -> torc
         shape[dim] = shape[dim] // 2 + 1
     elif fn is torch.fft.irfft:
         shape[dim] = n
-    dtype = x.real.dtype if fn is torch.fft.irfft else (x.dtype if x.is_complex() else torch.complex128 if x.dtype == torch.float64 else torch.complex64)
+    real = x.real.dtype if x.is_complex() else x.dtype
+    dtype = real if fn is torch.fft.irfft else (torch.complex128 if real == torch.float64 else torch.complex64)
     anchor = 0 * x.sum()
     return torch.zeros(shape, dtype=dtype, device=x.device) + (anchor if dtype.is_complex else anchor.real)
 
