@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from halopipe.distributed import DomainConfig  # noqa: E402
 from halopipe.distributed.launch import spawn  # noqa: E402
 
 CASES = {
@@ -57,7 +56,7 @@ def worker(case: str, steps: int, warmup: int, device: str) -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     pipeline, system = build(case, device)
     integrator = VelocityVerlet(1.0 if case.startswith("demo") else 2.0)
-    sim = Simulation(pipeline, system if rank == 0 else None, integrator, DomainConfig(skin=1.0))
+    sim = Simulation(pipeline, system if rank == 0 else None, integrator)  # the default skin, 1 Å
     sim.set_velocities(300.0, seed=1)
     sim.run(warmup)
     rebuilds0 = sim.sharded.rebuilds

@@ -86,7 +86,7 @@ def amorphous(n_atoms: int, density: float = 0.1, seed: int = 0):
 
 def distributed_case(n_atoms: int, repeats: int, mace_mode: str, halo: str, channels: int, max_ell: int) -> dict:
     from halopipe import DFTD3, MACE, Group, Pipeline, Step, System
-    from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+    from halopipe.distributed import DomainConfig, ShardedSystem
 
     torch.set_num_threads(1)
     system = System.from_ase(amorphous(n_atoms)) if rank() == 0 else None
@@ -99,13 +99,11 @@ def distributed_case(n_atoms: int, repeats: int, mace_mode: str, halo: str, chan
                 ]
             )
         ],
-        skin=0.5,
+        config=DomainConfig(skin=0.5, halo=halo, timeout=3600),
     )
-    config = DomainConfig(skin=0.5, halo=halo, timeout=3600)
-    sharded = ShardedSystem.scatter(system, config)
-    with DistributedPipeline(pipeline, config) as dp:
-        dp(sharded, stress=True)
-        seconds, out = timed(lambda: dp(sharded, stress=True), repeats)
+    sharded = ShardedSystem.scatter(system, pipeline.config)
+    pipeline(sharded, stress=True)
+    seconds, out = timed(lambda: pipeline(sharded, stress=True), repeats)
     ghosts = max_over_ranks([float(out["halo"]["MACE"]), float(out["halo"]["DFTD3"])])
     return {
         "seconds": max_over_ranks([seconds])[0],

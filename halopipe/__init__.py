@@ -29,10 +29,8 @@ _EXPORTS = {
     "Pipeline": "halopipe.pipeline",
     "Group": "halopipe.pipeline",
     "Step": "halopipe.pipeline",
-    "DomainConfig": "halopipe.distributed",
+    "DomainConfig": "halopipe.domain",
     "ShardedSystem": "halopipe.distributed",
-    "DistributedPipeline": "halopipe.distributed",
-    "DistributedModel": "halopipe.distributed",
     "DistributedError": "halopipe.distributed",
 }
 
@@ -54,14 +52,13 @@ __all__ = [
     "Step",
     "DomainConfig",
     "ShardedSystem",
-    "DistributedPipeline",
-    "DistributedModel",
     "DistributedError",
     "__version__",
 ]
 
 if TYPE_CHECKING:  # static tools see the eager imports
-    from .distributed import DistributedError, DistributedModel, DistributedPipeline, DomainConfig, ShardedSystem
+    from .distributed import DistributedError, ShardedSystem
+    from .domain import DomainConfig
     from .models import DFTD3, MACE, PME, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, TorchModel
     from .pipeline import Group, Pipeline, Step
     from .system import System

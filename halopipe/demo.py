@@ -42,12 +42,11 @@ def demo_system(cells: int = 8, seed: int = 0, dtype: torch.dtype = torch.float6
     return System.from_ase(atoms, dtype=dtype)
 
 
-def demo_pipeline(lj_cutoff: float = 8.0, coulomb_cutoff: float = 10.0, charge_cutoff: float = 4.0, skin: float = 0.0) -> Pipeline:
+def demo_pipeline(lj_cutoff: float = 8.0, coulomb_cutoff: float = 10.0, charge_cutoff: float = 4.0) -> Pipeline:
     """ChargeModel -> DSFCoulomb (wired, autograd) + LennardJones (direct)."""
     lj = LennardJones(epsilon={NA: 0.0115, CL: 0.0043}, sigma={NA: 2.0, CL: 3.4}, cutoff=lj_cutoff)
     charges = ChargeModel(cutoff=charge_cutoff, coordination_weight=0.02)
     coulomb = DSFCoulomb(cutoff=coulomb_cutoff, alpha=0.2)
     return Pipeline(
         [Group([Step(lj)], autograd=False), Group([Step(charges), Step(coulomb)], autograd=True)],
-        skin=skin,
     )

@@ -10,20 +10,88 @@ their owners, differentiably; ``fold_ghosts`` is its adjoint.
 cell, ghosts are the periodic images of the atoms themselves. The distributed
 domain (``halopipe.distributed.sharded``) implements the same interface with a
 halo exchange between ranks, so pipelines and models run unchanged on both.
+
+:class:`DomainConfig` says how a domain is built (skin, brick grid, halo
+mode, timeout); a pipeline holds one and every domain it runs on must agree
+with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import math
+from dataclasses import dataclass
 
 import torch
 
+from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
 from .neighbors import max_displacement
 
-__all__ = ["Domain", "LocalDomain", "skin_margin", "next_plan_version"]
+__all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN"]
+
+DEFAULT_SKIN = 1.0
+"""Default neighbour-list skin, Å.
+
+Molecular dynamics is the main use: with 1 Å a thermal atom (~0.01 Å/fs)
+crosses skin/2 after tens of femtoseconds, so lists and halos are rebuilt
+every few tens of steps instead of every step, while candidate pairs grow by
+only ``((rc + 1) / rc)^3`` (1.4x at rc = 8 Å, 1.06x at 50 Å). Results do not
+depend on it: pairs are always filtered at the exact cutoff.
+"""
 
 _plan_versions = itertools.count(1)
+
+
+@dataclass
+class DomainConfig:
+    """How space is split and halos are built; the one owner of the skin.
+
+    A :class:`~halopipe.Pipeline` holds one (``pipeline.config``); the
+    single-process domain, the distributed one and the MD driver all take
+    their skin from it.
+
+    Parameters
+    ----------
+    grid : bricks per axis ``(px, py, pz)`` when decomposed; ``None`` picks the
+        factorisation of the world size that minimises brick surface.
+    skin : neighbour-list skin, Å (plans are reused until an atom moved
+        skin/2); default :data:`DEFAULT_SKIN`.
+    halo : ``"per_model"`` (each model gets the ghosts its own halo needs) or
+        ``"max"`` (every model gets the widest halo, as LAMMPS hybrid/overlay
+        does; for comparison and benchmarks).
+    timeout : seconds a rank waits for its peers before failing.
+    """
+
+    grid: tuple[int, int, int] | None = None
+    skin: float = DEFAULT_SKIN
+    halo: str = "per_model"
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem:
+            raise ValueError(problem)
+
+    def problem(self, world_size: int | None = None) -> str | None:
+        """What is wrong with this configuration (for ``world_size`` ranks, if given), if anything."""
+        if self.grid is not None:
+            grid = tuple(self.grid)
+            if len(grid) != 3 or any((not isinstance(g, int)) or g < 1 for g in grid):
+                return f"DomainConfig.grid must be three positive integers, got {self.grid}"
+            if world_size is not None and math.prod(grid) != world_size:
+                return (
+                    f"DomainConfig.grid {grid} has {math.prod(grid)} bricks but the world size is {world_size}; "
+                    f"use a grid whose product is {world_size} or grid=None"
+                )
+        if not (isinstance(self.skin, (int, float)) and self.skin >= 0 and math.isfinite(self.skin)):
+            return f"DomainConfig.skin must be a finite number >= 0 (Å), got {self.skin!r}"
+        if self.halo not in ("per_model", "max"):
+            return f"DomainConfig.halo must be 'per_model' or 'max', got {self.halo!r}"
+        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            return f"DomainConfig.timeout must be a positive number of seconds, got {self.timeout!r}"
+        return None
 
 
 def next_plan_version() -> int:
@@ -116,6 +184,32 @@ class Domain:
         """The (possibly distributed) 3-D FFT of a mesh of ``sizes`` shared by this domain's processes."""
         return LocalMeshTransform(sizes)
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-atom tensor of the owned atoms -> all atoms in the original order (on every rank)."""
+        full = x.new_zeros((self.n_total,) + tuple(x.shape[1:]))
+        full[self.ids] = x.detach()
+        return self.all_reduce(full)
+
+    def agree(self, problem: str | None) -> None:
+        """Raise ``problem`` (if any rank has one) on every rank, before any data moves."""
+        if problem:
+            raise ValueError(problem)
+
+    def guard(self, what: str) -> contextlib.AbstractContextManager:
+        """Context in which a failure on one rank becomes an error on all (nothing to do on one process)."""
+        return contextlib.nullcontext()
+
+    def problem(self, config: DomainConfig) -> str | None:
+        """What keeps a pipeline with ``config`` from running on this domain, if anything."""
+        if float(config.skin) != self.skin:
+            return f"the pipeline's skin {config.skin} differs from the domain's skin {self.skin}; build the domain with pipeline.config"
+        return None
+
+    @property
+    def n_exchanged(self) -> int:
+        """Ghost rows held by the current plan (all widths)."""
+        return int(self.ghost_distance.shape[0])
+
     def prepare(self, width: float) -> bool:  # pragma: no cover - interface
         """Make the ghost plan valid for ``width``; returns True if it was rebuilt."""
         raise NotImplementedError
@@ -147,7 +241,7 @@ class LocalDomain(Domain):
     skin : neighbour-list skin, Å.
     """
 
-    def __init__(self, system, skin: float = 0.0) -> None:
+    def __init__(self, system, skin: float = DEFAULT_SKIN) -> None:
         self.cell, self.pbc = system.cell, system.pbc
         self.positions = system.positions
         self.numbers, self.masses = system.numbers, system.masses
@@ -189,9 +283,6 @@ class LocalDomain(Domain):
         return True
 
     def _build(self, width: float) -> None:
-        # Imported here: the distributed package imports the pipeline, which imports this module.
-        from .distributed.partition import Partition, images_near_bricks
-
         partition = Partition.build((1, 1, 1), self.cell, self.pbc)
         frac = partition.geometry.fractional(self.positions)
         wrapped, image = partition.wrap(frac)

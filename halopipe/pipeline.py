@@ -1,10 +1,10 @@
-"""Composing models: steps, groups and the pipeline.
+"""Composing models: steps, groups and the pipeline, one potential for 1 or N ranks.
 
 A :class:`Pipeline` is a list of :class:`Group` s run in order; energies,
 forces and stress add over groups.
 
-* A **direct group** (``autograd=False``) asks each model for its own forces
-  and virial and sums them; no graph is built.
+* A **direct group** asks each model for its own forces and virial and sums
+  them; no graph is built.
 * An **autograd group** sums its models' energies and differentiates once:
   forces are ``-dE/dr`` and stress the derivative with respect to a strain
   applied to positions and cell together.
@@ -13,23 +13,51 @@ forces and stress add over groups.
   (say Ewald). It is passed with its graph, so the cross-model chain term
   ``dE/dq * dq/dr`` is part of the forces and the stress.
 
+A group is direct when every model offers direct forces and no field is
+produced in it; otherwise it is autograd (``Group(autograd=...)`` overrides).
+
 The evaluation (:func:`evaluate`) is written against the
 :class:`~halopipe.domain.Domain` interface, so the very same code runs on a
-single process and, through ``halopipe.distributed``, across ranks.
+single process (:class:`~halopipe.domain.LocalDomain`) and on a domain split
+over ranks. The core never imports ``halopipe.distributed``: calling a pipeline
+on any :class:`~halopipe.domain.Domain` (a ``ShardedSystem`` is one) runs on
+it, and a plain :class:`~halopipe.System` under a process group of several
+ranks is split by the decomposition that ``halopipe.distributed`` installs with
+:func:`register_decomposition` when it is imported (``import halopipe`` does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .domain import Domain, LocalDomain
+from .domain import Domain, DomainConfig, LocalDomain
 from .models.base import LocalView, Model
 from .neighbors import owned_pairs, pair_vectors
 from .system import System
 
-__all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view"]
+__all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view", "register_decomposition", "RESERVED_NAMES"]
+
+RESERVED_NAMES = frozenset({"energy", "energies", "model_energies", "forces", "stress", "virial", "fields", "halo"})
+"""Keys of a pipeline result; no field may be named like one."""
+
+Decomposition = Callable[[System | None, DomainConfig], Domain | None]
+_decomposition: Decomposition | None = None
+
+
+def register_decomposition(decompose: Decomposition | None) -> None:
+    """Install how a :class:`~halopipe.System` is split over the ranks of a running process group.
+
+    ``decompose(system_or_None, config)`` is called collectively by every rank
+    and returns the rank's :class:`~halopipe.domain.Domain`, or ``None`` when
+    no process group of more than one rank is running (then the pipeline runs
+    on one process). ``halopipe.distributed`` registers its scatter on import,
+    so the core depends on the interface only.
+    """
+    global _decomposition
+    _decomposition = decompose
 
 
 @dataclass
@@ -51,6 +79,18 @@ class Step:
     bind: dict[str, str] = field(default_factory=dict)
     name: str | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, Model):
+            raise TypeError(f"Step: expected a halopipe Model, got {type(self.model).__name__}")
+        visible = {f"input '{i}'": self.source_of(i) for i in sorted(self.model.inputs)}
+        visible.update({f"output '{o}'": v for o, v in self.produced().items()})
+        for role, name in visible.items():
+            if name in RESERVED_NAMES:
+                raise ValueError(
+                    f"Step: {self.model.name}'s {role} is named '{name}', a reserved result key {sorted(RESERVED_NAMES)}; "
+                    f"rename it with wire={{...: 'q'}} or bind={{...: 'q'}}"
+                )
+
     def source_of(self, input_name: str) -> str:
         return self.bind.get(input_name, input_name)
 
@@ -61,15 +101,21 @@ class Step:
 
 @dataclass
 class Group:
-    """Steps evaluated together; see the module docstring for the two kinds."""
+    """Steps evaluated together; see the module docstring for the two kinds.
+
+    ``autograd=None`` (default) infers the kind: direct when every model offers
+    direct forces and none produces a field, autograd otherwise.
+    """
 
     steps: list[Step]
-    autograd: bool = True
+    autograd: bool | None = None
 
     def __post_init__(self) -> None:
         self.steps = [s if isinstance(s, Step) else Step(s) for s in self.steps]
         if not self.steps:
             raise ValueError("Group: a group needs at least one step")
+        if self.autograd is None:
+            self.autograd = not all(s.model.direct_forces and not s.model.outputs for s in self.steps)
         if not self.autograd:
             for s in self.steps:
                 if not s.model.direct_forces:
@@ -84,10 +130,8 @@ def _as_groups(items) -> list[Group]:
     for item in items:
         if isinstance(item, Group):
             groups.append(item)
-        elif isinstance(item, Step):
-            groups.append(Group([item], autograd=not item.model.direct_forces))
-        elif isinstance(item, Model):
-            groups.append(Group([Step(item)], autograd=not item.direct_forces))
+        elif isinstance(item, (Step, Model)):
+            groups.append(Group([item]))
         else:
             raise TypeError(f"Pipeline: expected Group, Step or Model, got {type(item).__name__}")
     return groups
@@ -134,27 +178,41 @@ def _unique_names(groups: list[Group]) -> list[list[str]]:
 
 
 class Pipeline(torch.nn.Module):
-    """A composite potential: groups of models evaluated in order.
+    """A composite potential: groups of models evaluated in order, on one process or many.
 
     Parameters
     ----------
     groups : list of :class:`Group` (a bare :class:`Step` or model becomes its
-        own group: direct if it offers direct forces, autograd otherwise).
-    skin : neighbour-list skin (Å); plans and lists are reused across calls
-        until some atom moved more than ``skin / 2``.
+        own group, its kind inferred).
+    config : :class:`~halopipe.domain.DomainConfig`: the skin (plans and
+        lists are reused until some atom moved more than ``skin / 2``), the
+        brick grid, the halo mode and the timeout; default ``DomainConfig()``.
 
-    Calling ``pipeline(system, stress=False)`` returns a dict with ``energy``
-    (total, eV), ``energies`` (per step name), ``forces`` (N, 3), ``stress``
-    (3, 3, eV/Å³, ASE sign convention) when asked, and every produced field.
+    Calling ``pipeline(system, stress=False)`` evaluates
+
+    * a :class:`~halopipe.System` on this process, or, under a process group
+      of several ranks, split over them (pass the system on rank 0; other
+      ranks may pass it too, or ``None``); results cover all atoms, on every rank;
+    * a :class:`~halopipe.domain.Domain` such as a ``ShardedSystem`` as it is
+      (the way molecular dynamics keeps its decomposition between steps);
+      per-atom results cover the owned atoms.
+
+    It returns a dict: ``energy`` (total, eV), ``energies`` (per atom, eV),
+    ``model_energies`` (per step name, eV), ``forces`` (eV/Å), ``stress``
+    (3, 3, eV/Å³, ASE sign) and ``virial`` (eV) when asked, ``fields`` (the
+    produced per-atom fields, by visible name) and ``halo`` (ghost rows each
+    step saw on this rank, and ``exchanged``: rows the plan holds).
     """
 
-    def __init__(self, groups, skin: float = 0.0) -> None:
+    def __init__(self, groups, config: DomainConfig | None = None) -> None:
         super().__init__()
+        if config is not None and not isinstance(config, DomainConfig):
+            raise TypeError(f"Pipeline: config must be a DomainConfig, got {type(config).__name__}")
         self.groups = _as_groups(groups)
         _check_wiring(self.groups)
         self.names = _unique_names(self.groups)
         self.models = torch.nn.ModuleList([s.model for g in self.groups for s in g.steps])
-        self.skin = float(skin)
+        self.config = config if config is not None else DomainConfig()
         self._domain: LocalDomain | None = None
         self._pair_cache: dict = {}
 
@@ -167,6 +225,10 @@ class Pipeline(torch.nn.Module):
     def cutoff(self) -> float:
         return max(s.model.cutoff for g in self.groups for s in g.steps)
 
+    def halo_of(self, model: Model) -> float:
+        """The ghost width ``model``'s view uses: its own halo, or the widest with ``config.halo == "max"``."""
+        return self.halo if self.config.halo == "max" else model.halo
+
     def required_fields(self) -> set[str]:
         """Input fields that no earlier step produces: the system must carry them."""
         need, made = set(), set()
@@ -176,28 +238,56 @@ class Pipeline(torch.nn.Module):
                 made |= set(step.produced().values())
         return need
 
-    def check_system(self, system_fields, where: str = "Pipeline") -> None:
+    def missing_fields(self, system_fields) -> str | None:
+        """The complaint about input fields the system lacks, if any."""
         missing = sorted(self.required_fields() - set(system_fields))
         if missing:
-            raise ValueError(
-                f"{where}: the system lacks field(s) {missing} that no step produces; "
-                "add them to System.fields or wire a model that produces them"
-            )
+            return f"the system lacks field(s) {missing} that no step produces; add them to System.fields or wire a model producing them"
+        return None
 
-    def domain_for(self, system: System) -> LocalDomain:
-        if self._domain is not None and self._domain.compatible(system):
+    def forward(self, system: System | Domain | None, stress: bool = False, decompose: bool = True) -> dict:
+        """Evaluate ``system`` (see the class docstring); ``decompose=False`` keeps a System on this process.
+
+        Every rank of a running process group must make the call unless
+        ``decompose=False`` (a single-process reference on rank 0, say).
+        """
+        if isinstance(system, Domain):
+            return self._evaluate_on(system, stress)
+        domain = _decomposition(system, self.config) if decompose and _decomposition is not None else None
+        if domain is not None:
+            return _gathered(self._evaluate_on(domain, stress), domain)
+        if not isinstance(system, System):
+            raise TypeError(f"Pipeline: expected a halopipe.System or a Domain, got {type(system).__name__}")
+        return self._evaluate_on(self._local_domain(system), stress)
+
+    def _local_domain(self, system: System) -> LocalDomain:
+        if self._domain is not None and self._domain.compatible(system) and self._domain.skin == float(self.config.skin):
             self._domain.update(system)
         else:
-            self._domain = LocalDomain(system, skin=self.skin)
+            self._domain = LocalDomain(system, skin=self.config.skin)
             self._pair_cache = {}
         return self._domain
 
-    def forward(self, system: System, stress: bool = False) -> dict:
-        if not isinstance(system, System):
-            raise TypeError(f"Pipeline: expected a halopipe.System, got {type(system).__name__}")
-        self.check_system(system.fields)
-        domain = self.domain_for(system)
-        return evaluate(self, domain, stress=stress, pair_cache=self._pair_cache)
+    def _evaluate_on(self, domain: Domain, stress: bool) -> dict:
+        problem = domain.problem(self.config) or self.missing_fields(domain.fields)
+        domain.agree(f"Pipeline: {problem}" if problem else None)
+        with domain.guard("pipeline evaluation"):
+            out = evaluate(self, domain, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of)
+        names = [name for row in self.names for name in row]
+        out["halo"] = {name: domain.ghost_count(self.halo_of(s.model)) for name, s in zip(names, self._steps())}
+        out["halo"]["exchanged"] = domain.n_exchanged
+        return out
+
+    def _steps(self) -> list[Step]:
+        return [s for g in self.groups for s in g.steps]
+
+
+def _gathered(out: dict, domain: Domain) -> dict:
+    """Per-atom results of the owned atoms -> all atoms in the original order, on every rank."""
+    out["forces"] = domain.gather(out["forces"])
+    out["energies"] = domain.gather(out["energies"])
+    out["fields"] = {name: domain.gather(value) for name, value in out["fields"].items()}
+    return out
 
 
 # --------------------------------------------------------------------------- views
@@ -272,6 +362,8 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
 
     ``halo_of(model)`` gives the ghost width each model's view uses (default:
     the model's own ``halo``; the widest halo for LAMMPS-like comparison).
+    Returns ``energy``, ``energies`` (owned atoms), ``model_energies``,
+    ``forces`` (owned atoms), ``fields`` and, with ``stress``, ``virial`` and ``stress``.
     """
     pair_cache = {} if pair_cache is None else pair_cache
     halo_of = halo_of or (lambda model: model.halo)
@@ -280,6 +372,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     domain.prepare(pipeline.halo)
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
     forces = torch.zeros(n, 3, dtype=dtype, device=device)
+    energies = torch.zeros(n, dtype=dtype, device=device)
     virial = torch.zeros(3, 3, dtype=dtype, device=device)
     local_energy: list[torch.Tensor] = []
     produced: dict[str, torch.Tensor] = {}
@@ -292,19 +385,22 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
         f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of, ghost_positions)
         forces += f
         virial += w
-        local_energy.extend(e)
+        for per_atom in e:
+            energies += per_atom
+            local_energy.append(per_atom.sum())
         produced.update(p)
-    totals = domain.all_reduce(torch.stack(local_energy).detach())
+    totals = domain.all_reduce(torch.stack(local_energy))
     names = [name for row in pipeline.names for name in row]
     result = {
         "energy": totals.sum(),
-        "energies": {name: totals[k] for k, name in enumerate(names)},
+        "energies": energies,
+        "model_energies": {name: totals[k] for k, name in enumerate(names)},
         "forces": forces,
+        "fields": produced,
     }
     if stress:
         result["virial"] = domain.all_reduce(virial)
         result["stress"] = -result["virial"] / volume
-    result.update(produced)
     return result
 
 
@@ -320,13 +416,12 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     fields = dict(static)
     made: dict[str, torch.Tensor] = {}
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
-    shares = []
+    per_atom_energies = []
     for k, step in enumerate(group.steps):
         view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, (g, k), ghost_positions)
         out = step.model(view)
-        share = out.energies.sum()
-        energy = energy + share
-        shares.append(share.detach())
+        energy = energy + out.energies.sum()
+        per_atom_energies.append(out.energies.detach())
         for out_name, visible in step.produced().items():
             fields[visible] = out.fields[out_name]
             made[visible] = out.fields[out_name].detach()
@@ -336,7 +431,7 @@ def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stre
     virial = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device)
     if stress and grads[1] is not None:
         virial = -grads[1]
-    return forces.detach(), virial.detach(), shares, made
+    return forces.detach(), virial.detach(), per_atom_energies, made
 
 
 def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
@@ -344,7 +439,7 @@ def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
     virial = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
-    shares = []
+    per_atom_energies = []
     with torch.no_grad():
         for k, step in enumerate(group.steps):
             width = halo_of(step.model)
@@ -354,5 +449,5 @@ def _run_direct_group(group: Group, g: int, domain: Domain, static: dict, stress
                 raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")
             forces += out.forces[:n] + domain.fold_ghosts(out.forces[n:], width)
             virial += out.virial
-            shares.append(out.energies.sum())
-    return forces, virial, shares, {}
+            per_atom_energies.append(out.energies)
+    return forces, virial, per_atom_energies, {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from halopipe import DFTD3, ChargeModel, DSFCoulomb, Group, LennardJones, Pipeline, Step
-from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+from halopipe.distributed import ShardedSystem
 
 from .conftest import triclinic_nacl
 
@@ -33,7 +33,8 @@ def test_cuda_equals_cpu_single_process_and_one_rank():
     assert abs(float(out["energy"] - ref["energy"])) < 1e-10
     assert float((out["forces"].cpu() - ref["forces"]).abs().max()) < 1e-10
     assert float((out["stress"].cpu() - ref["stress"]).abs().max()) < 1e-12
-    sharded = ShardedSystem.scatter(gpu_system, DomainConfig())
-    dout = DistributedPipeline(composite().to("cuda"))(sharded, stress=True)
+    pipeline = composite().to("cuda")
+    sharded = ShardedSystem.scatter(gpu_system, pipeline.config)
+    dout = pipeline(sharded, stress=True)
     forces = sharded.gather(dout["forces"]).cpu()
     assert float((forces - ref["forces"]).abs().max()) < 1e-10

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from halopipe import ChargeModel, DSFCoulomb, Group, LennardJones, Model, ModelOutput, Pipeline, Step
+from halopipe import ChargeModel, DomainConfig, DSFCoulomb, Group, LennardJones, Model, ModelOutput, Pipeline, Step
 from halopipe.testing import finite_difference_forces, finite_difference_stress
 
 from .conftest import cluster
@@ -58,7 +58,9 @@ def test_composition_equals_sum_of_parts(nacl, direct):
     assert float(together["energy"]) == pytest.approx(sum(float(p["energy"]) for p in parts), rel=1e-14)
     np.testing.assert_allclose(together["forces"].numpy(), sum(p["forces"] for p in parts).numpy(), atol=1e-13)
     np.testing.assert_allclose(together["stress"].numpy(), sum(p["stress"] for p in parts).numpy(), atol=1e-15)
-    assert set(together["energies"]) == {"LennardJones", "DSFCoulomb"}
+    assert set(together["model_energies"]) == {"LennardJones", "DSFCoulomb"}
+    # Per-atom energies add up to each part's total: an independent split of the same sum.
+    assert float(together["energies"].sum()) == pytest.approx(float(together["energy"]), rel=1e-14)
 
 
 def test_direct_group_sums_models_and_equals_autograd(nacl):
@@ -67,7 +69,7 @@ def test_direct_group_sums_models_and_equals_autograd(nacl):
     auto = Pipeline([Group([a, b], autograd=True)])(nacl, stress=True)
     np.testing.assert_allclose(direct["forces"].numpy(), auto["forces"].numpy(), atol=1e-13)
     np.testing.assert_allclose(direct["stress"].numpy(), auto["stress"].numpy(), atol=1e-15)
-    assert list(direct["energies"]) == ["LennardJones", "LennardJones_2"]
+    assert list(direct["model_energies"]) == ["LennardJones", "LennardJones_2"]
 
 
 def test_wire_renames_and_bind_selects(nacl):
@@ -75,7 +77,7 @@ def test_wire_renames_and_bind_selects(nacl):
     out = pipe(nacl)
     plain = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])])(nacl)
     assert float(out["energy"]) == float(plain["energy"])
-    assert "q_model" in out
+    assert "q_model" in out["fields"]
     # Without bind, DSFCoulomb reads the system's formal charges instead.
     formal = Pipeline([Group([Step(ChargeModel(3.5), wire={"charges": "q_model"}), Step(DSFCoulomb(7.0, 0.2))])])(nacl)
     assert float(formal["energy"]) == pytest.approx(float(Pipeline([DSFCoulomb(7.0, 0.2)])(nacl)["energy"]), rel=1e-14)
@@ -108,8 +110,8 @@ def test_stress_needs_a_volume():
 
 
 def test_skin_reuses_plan_and_stays_exact(nacl):
-    skinned = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])], skin=1.0)
-    fresh = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])])
+    skinned = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])], config=DomainConfig(skin=1.0))
+    fresh = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])], config=DomainConfig(skin=0.0))
     g = torch.Generator().manual_seed(0)
     s = nacl
     for _ in range(5):
@@ -120,23 +122,6 @@ def test_skin_reuses_plan_and_stays_exact(nacl):
     assert skinned._domain.plan_version < fresh._domain.plan_version
 
 
-def test_ase_calculator_matches_ase_lj():
-    from ase.build import bulk
-    from ase.calculators.lj import LennardJones as AseLJ
-
-    from halopipe.ase import Calculator
-
-    atoms = bulk("Ar", "fcc", a=5.3, cubic=True).repeat(2)
-    atoms.rattle(0.05, seed=3)
-    ref = atoms.copy()
-    ref.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=7.0)
-    atoms.calc = Calculator(LennardJones(0.0103, 3.4, 7.0))
-    assert atoms.get_potential_energy() == pytest.approx(ref.get_potential_energy(), rel=1e-12)
-    assert atoms.get_potential_energy() == atoms.get_total_energy() - atoms.get_kinetic_energy()
-    np.testing.assert_allclose(atoms.get_forces(), ref.get_forces(), atol=1e-12)
-    np.testing.assert_allclose(atoms.get_stress(), ref.get_stress(), atol=1e-13)
-
-
 class _DirectCharged(Model):
     inputs = frozenset({"charges"})
     direct_forces = True
@@ -144,3 +129,78 @@ class _DirectCharged(Model):
 
     def forward(self, view, direct=False):  # pragma: no cover - construction fails first
         raise AssertionError
+
+
+def test_group_kind_is_inferred_and_can_be_overridden():
+    lj = LennardJones(**LJ)
+    assert Group([lj]).autograd is False  # every model offers direct forces, nothing is wired
+    assert Group([lj, LennardJones(0.001, 3.0, 5.0)]).autograd is False
+    assert Group([ChargeModel(3.5), DSFCoulomb(7.0, 0.2)]).autograd is True  # a field is produced in the group
+    assert Group([lj, ChargeModel(3.5)]).autograd is True  # ChargeModel has no direct forces
+    assert Group([lj], autograd=True).autograd is True
+    assert Pipeline([lj, DSFCoulomb(7.0, 0.2)]).groups[0].autograd is False
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        lambda: Step(ChargeModel(3.5), wire={"charges": "forces"}),
+        lambda: Step(DSFCoulomb(7.0, 0.2), bind={"charges": "energy"}),
+        lambda: Step(_Produces("stress")),
+        lambda: Step(_Produces("energies")),
+    ],
+)
+def test_field_named_like_a_result_key_is_rejected(step):
+    with pytest.raises(ValueError, match="reserved result key"):
+        step()
+
+
+def test_produced_fields_have_their_own_namespace(nacl):
+    out = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])])(nacl, stress=True)
+    assert set(out) == {"energy", "energies", "model_energies", "forces", "stress", "virial", "fields", "halo"}
+    assert set(out["fields"]) == {"charges"}
+    # Charge conservation of ChargeModel (an independent property): the charges sum to the system's net charge, 0.
+    assert abs(float(out["fields"]["charges"].sum())) < 1e-12
+
+
+def test_one_owner_of_the_skin():
+    from halopipe.domain import DEFAULT_SKIN
+
+    assert Pipeline([LennardJones(**LJ)]).config == DomainConfig(skin=DEFAULT_SKIN)
+    with pytest.raises(TypeError, match="DomainConfig"):
+        Pipeline([LennardJones(**LJ)], config={"skin": 1.0})
+    with pytest.raises(ValueError, match="skin must be a finite number"):
+        DomainConfig(skin=-1.0)
+
+
+def test_a_domain_is_evaluated_as_given(nacl):
+    from halopipe.domain import LocalDomain
+
+    pipe = Pipeline([Group([Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])], config=DomainConfig(skin=0.5))
+    on_domain = pipe(LocalDomain(nacl, skin=0.5), stress=True)
+    on_system = pipe(nacl, stress=True)
+    assert float(on_domain["energy"]) == float(on_system["energy"])
+    assert torch.equal(on_domain["forces"], on_system["forces"])
+    with pytest.raises(ValueError, match="skin 0.5 differs from the domain's skin 0.0"):
+        pipe(LocalDomain(nacl, skin=0.0))
+
+
+@pytest.mark.timeout(240)
+def test_unchanged_script_runs_decomposed_under_a_process_group():
+    from halopipe.distributed.launch import spawn
+
+    from .distributed._workers import unchanged_script
+
+    for r in spawn(unchanged_script, 2, timeout=200):
+        assert r["world"] == 2 and r["shape"] == (128, 3)
+        assert r["energy_rel"] < 1e-12 and r["again_energy_rel"] < 1e-12, r
+        assert r["force"] < 1e-10 and r["energies"] < 1e-10 and r["charges"] < 1e-12 and r["stress_rel"] < 1e-12, r
+        assert "skin 0.5 differs from the system's skin 0.75" in r["mismatch"], r
+
+
+class _Produces(Model):
+    cutoff = 1.0
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.outputs = frozenset({name})

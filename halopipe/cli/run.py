@@ -110,7 +110,7 @@ def _reporters(config: RunConfig, directory: Path) -> list:
 def _simulation(config: RunConfig, directory: Path, restart: bool, allow_changed: bool):
     from ..dynamics.simulation import Simulation
 
-    pipeline, integrator, domain = config.build_pipeline(), config.build_integrator(), config.domain_config()
+    pipeline, integrator = config.build_pipeline(), config.build_integrator()
     reporters = _reporters(config, directory)
     every = config.outputs["checkpoint_every"]
     note("building the system" + (" and reading the checkpoint" if restart else ""))
@@ -121,14 +121,13 @@ def _simulation(config: RunConfig, directory: Path, restart: bool, allow_changed
             directory / CHECKPOINT,
             pipeline,
             integrator,
-            domain,
             reporters,
             checkpoint_every=every,
             device=config.device,
             system=system,
             allow_changed=allow_changed,
         )
-    sim = Simulation(pipeline, system, integrator, domain, reporters, checkpoint=directory / CHECKPOINT, checkpoint_every=every)
+    sim = Simulation(pipeline, system, integrator, reporters, checkpoint=directory / CHECKPOINT, checkpoint_every=every)
     velocities = config.data["system"].get("velocities")
     if velocities:
         sim.set_velocities(velocities["temperature"], velocities["seed"])
@@ -271,19 +270,18 @@ def run_config(
 # -------------------------------------------------------------------- verify
 def verify_worker(data: dict, source: str) -> dict:
     """Distributed evaluation vs a single process (rank 0); every rank calls it."""
-    from ..distributed import DistributedPipeline, ShardedSystem
+    from ..distributed import ShardedSystem
 
     config = RunConfig(data, source)
     pipeline = config.build_pipeline()
     rank = _rank()
     system = config.build_system() if rank == 0 else None
-    domain = config.domain_config()
-    sharded = ShardedSystem.scatter(system, domain)
+    sharded = ShardedSystem.scatter(system, pipeline.config)
     stress = bool(sharded.pbc.all())
-    reference = pipeline(system, stress=stress) if rank == 0 else None
-    distributed = DistributedPipeline(config.build_pipeline(), domain)
+    # The same pipeline object serves both: its caches key on each domain's own plan.
+    reference = pipeline(system, stress=stress, decompose=False) if rank == 0 else None
     t0 = time.perf_counter()
-    out = distributed(sharded, stress=stress)
+    out = pipeline(sharded, stress=stress)
     seconds = time.perf_counter() - t0
     forces = sharded.gather(out["forces"])
     if rank != 0:
@@ -293,7 +291,7 @@ def verify_worker(data: dict, source: str) -> dict:
         "world_size": sharded.world_size,
         "grid": tuple(sharded.grid),
         "seconds": seconds,
-        "energies": {k: (float(out["energies"][k]), float(reference["energies"][k])) for k in out["energies"]},
+        "energies": {k: (float(out["model_energies"][k]), float(reference["model_energies"][k])) for k in out["model_energies"]},
         "energy": (float(out["energy"]), float(reference["energy"])),
         "force_diff": float((forces.cpu() - reference["forces"].detach().cpu()).abs().max()),
         "force_scale": float(reference["forces"].detach().abs().max()),

@@ -89,14 +89,10 @@ class RunConfig:
                 groups = [Step(model, name=name) for name, model in models.items()]
             else:
                 groups = [_group(spec, models) for spec in self.spec.groups]
-            pipeline = Pipeline(groups, **self._pipeline_domain())
+            pipeline = Pipeline(groups, config=self.domain_config())
         except (ValueError, TypeError) as exc:
             raise ConfigError("groups", str(exc)) from exc
         return pipeline.to(dtype=self.dtype, device=self.device)
-
-    def _pipeline_domain(self) -> dict:
-        """The pipeline's share of the ``domain`` section, the one place that sets it."""
-        return {"skin": self.spec.domain.skin}
 
     def build_integrator(self):
         try:
@@ -105,7 +101,7 @@ class RunConfig:
             raise ConfigError("integrator", str(exc)) from exc
 
     def domain_config(self):
-        """The :class:`~halopipe.distributed.DomainConfig` of the ``domain`` section."""
+        """The :class:`~halopipe.DomainConfig` of the ``domain`` section (the pipeline holds it)."""
         return self.spec.domain.build()
 
     # ------------------------------------------------------------------- checks

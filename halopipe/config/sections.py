@@ -143,7 +143,7 @@ class GroupSpec(Section):
 
 # ------------------------------------------------------------------- domain
 class DomainSpec(Section):
-    """How space is split among ranks. Unset keys take :class:`~halopipe.distributed.DomainConfig`'s defaults,
+    """How space is split among ranks. Unset keys take :class:`~halopipe.DomainConfig`'s defaults,
     the one owner of them (so the skin has a single default)."""
 
     grid: list[PositiveInt] | None = Field(None, min_length=3, max_length=3, description="bricks per axis [px, py, pz]; null: chosen")
@@ -153,7 +153,7 @@ class DomainSpec(Section):
 
     @model_validator(mode="after")
     def _defaults(self):
-        from ..distributed import DomainConfig
+        from ..domain import DomainConfig
 
         default = DomainConfig()
         for name in ("skin", "halo", "timeout"):
@@ -162,8 +162,8 @@ class DomainSpec(Section):
         return self
 
     def build(self):
-        """The :class:`~halopipe.distributed.DomainConfig`."""
-        from ..distributed import DomainConfig
+        """The :class:`~halopipe.DomainConfig`."""
+        from ..domain import DomainConfig
 
         grid = tuple(self.grid) if self.grid is not None else None
         return DomainConfig(grid=grid, skin=self.skin, halo=self.halo, timeout=self.timeout)

@@ -1,7 +1,18 @@
-"""Domain decomposition: partition, halo, communication, sharded systems and distributed pipelines."""
+"""Domain decomposition on top of the core: communication, sharded systems and launching.
 
+Geometry (bricks, images near bricks) lives in :mod:`halopipe.geometry` and the
+evaluation in :mod:`halopipe.pipeline`; this package adds the halo exchange
+(:mod:`.halo`, :mod:`.comm`), the :class:`ShardedSystem` domain and process
+launching. Importing it lets a :class:`~halopipe.Pipeline` called on a plain
+System run decomposed under a process group (see :mod:`.pipeline`).
+"""
+
+from ..domain import DomainConfig
+from ..pipeline import register_decomposition
 from .comm import Comm, DistributedError
-from .pipeline import DistributedModel, DistributedPipeline
-from .sharded import DomainConfig, ShardedSystem
+from .pipeline import scatter_for_pipeline
+from .sharded import ShardedSystem
 
-__all__ = ["Comm", "DistributedError", "DomainConfig", "ShardedSystem", "DistributedPipeline", "DistributedModel"]
+register_decomposition(scatter_for_pipeline)
+
+__all__ = ["Comm", "DistributedError", "DomainConfig", "ShardedSystem", "scatter_for_pipeline"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..geometry import ImageSet
 from .comm import Comm
-from .partition import ImageSet
 
 __all__ = ["HaloPlan", "HaloGather"]
 

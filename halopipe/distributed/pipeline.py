@@ -1,79 +1,38 @@
-"""Distributed drop-in replacements for :class:`~halopipe.Pipeline` and a single model.
+"""How a :class:`~halopipe.Pipeline` called on a plain System runs across ranks.
 
-``DistributedPipeline(pipeline, config)(sharded, stress=...)`` evaluates a
-pipeline on a :class:`~halopipe.distributed.ShardedSystem` with exactly the
-single-process evaluation code: one ghost plan at the widest halo, each model
-taking the prefix of ghost rows its own halo needs (``halo="per_model"``) or
-all of them (``halo="max"``). Results: global ``energy``/``energies``/``stress``,
-``forces`` and produced fields for the owned rows, and ``halo`` statistics.
+The core pipeline knows only the :class:`~halopipe.domain.Domain` interface
+(it must not import this package). On import, this package registers
+:func:`scatter_for_pipeline` with :func:`halopipe.pipeline.register_decomposition`:
+under a process group of more than one rank, ``pipeline(system)`` then
+scatters the system with the pipeline's own :class:`~halopipe.DomainConfig`
+and evaluates it decomposed, and the user's single-process script runs
+unchanged under ``torchrun`` or ``srun`` (the ranks join their process group
+at the first call when the script did not). Callers who keep the decomposition between
+calls (molecular dynamics) scatter once and call the pipeline on the
+:class:`~halopipe.distributed.ShardedSystem`.
 """
 
 from __future__ import annotations
 
-from ..models.base import Model
-from ..pipeline import Pipeline, evaluate
-from .sharded import DomainConfig, ShardedSystem
+import torch.distributed as dist
 
-__all__ = ["DistributedPipeline", "DistributedModel"]
+from ..domain import DomainConfig
+from ..system import System
+from .launch import init_from_environment, launched_by_runner
+from .sharded import ShardedSystem
+
+__all__ = ["scatter_for_pipeline"]
 
 
-class DistributedPipeline:
-    """A pipeline evaluated across ranks (also fine with one rank or none).
+def scatter_for_pipeline(system: System | None, config: DomainConfig) -> ShardedSystem | None:
+    """Rank 0's ``system`` split over the running process group, or ``None`` when there is at most one rank.
 
-    Parameters
-    ----------
-    pipeline : the :class:`~halopipe.Pipeline` (or a model) to evaluate.
-    config : :class:`DomainConfig`; its ``halo`` mode is used here, its grid
-        and skin must match those the system was scattered with.
+    Collective. Ranks other than 0 may pass the system too (their copy is
+    ignored: rank 0's is the one scattered) or ``None``. Under a launcher
+    whose process group the script has not joined, this joins it.
     """
-
-    def __init__(self, pipeline, config: DomainConfig | None = None) -> None:
-        self.pipeline = pipeline if isinstance(pipeline, Pipeline) else Pipeline([pipeline])
-        self.config = config or DomainConfig()
-        self._pair_cache: dict = {}
-
-    def __enter__(self) -> DistributedPipeline:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._pair_cache.clear()
-
-    def halo_of(self, model: Model) -> float:
-        return self.pipeline.halo if self.config.halo == "max" else model.halo
-
-    def __call__(self, sharded: ShardedSystem, stress: bool = False) -> dict:
-        comm = sharded.comm
-        comm.agree(self._problem(sharded, stress))
-        with comm.guard("pipeline evaluation"):
-            out = evaluate(self.pipeline, sharded, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of)
-        names = [name for row in self.pipeline.names for name in row]
-        models = [s.model for g in self.pipeline.groups for s in g.steps]
-        out["halo"] = {name: sharded.ghost_count(self.halo_of(m)) for name, m in zip(names, models)}
-        out["halo"]["exchanged"] = sharded.plan.n_ghost
-        return out
-
-    def _problem(self, sharded: ShardedSystem, stress: bool) -> str | None:
-        if not isinstance(sharded, ShardedSystem):
-            return f"DistributedPipeline: expected a ShardedSystem, got {type(sharded).__name__}; use ShardedSystem.scatter(system, config)"
-        problem = self.config.problem(sharded.world_size)
-        if problem:
-            return problem
-        if float(self.config.skin) != sharded.skin:
-            return (
-                f"DistributedPipeline: config skin {self.config.skin} differs from the system's skin {sharded.skin}; "
-                "scatter with the same DomainConfig"
-            )
-        missing = sorted(self.pipeline.required_fields() - set(sharded.schema))
-        if missing:
-            return f"DistributedPipeline: the system lacks field(s) {missing} that no step produces"
-        if sharded.n_owned and not bool(sharded.positions.isfinite().all()):
-            bad = int((~sharded.positions.isfinite().all(dim=1)).nonzero()[0])
-            return f"atom {int(sharded.ids[bad])} has a non-finite position {sharded.positions[bad].tolist()}"
+    if launched_by_runner() and not (dist.is_available() and dist.is_initialized()):
+        init_from_environment(timeout=config.timeout)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-
-
-class DistributedModel(DistributedPipeline):
-    """A single model evaluated across ranks; same interface as :class:`DistributedPipeline`."""
-
-    def __init__(self, model: Model, config: DomainConfig | None = None) -> None:
-        super().__init__(Pipeline([model]), config)
+    return ShardedSystem.scatter(system if dist.get_rank() == 0 else None, config)

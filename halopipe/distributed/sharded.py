@@ -14,60 +14,20 @@ so :func:`halopipe.pipeline.evaluate` runs on it unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ..domain import Domain, next_plan_version, skin_margin
+from ..domain import Domain, DomainConfig, next_plan_version, skin_margin
+from ..geometry import Geometry, Partition, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
 from ..system import System
 from .comm import Comm
 from .fft import SlabMeshTransform
 from .halo import HaloGather, HaloPlan
-from .partition import Partition, choose_grid, images_near_bricks
 
-__all__ = ["DomainConfig", "ShardedSystem"]
-
-
-@dataclass
-class DomainConfig:
-    """How space is split and halos are built.
-
-    Parameters
-    ----------
-    grid : bricks per axis ``(px, py, pz)``; ``None`` picks the factorisation
-        of the world size that minimises brick surface.
-    skin : neighbour-list skin, Å (plans are reused until an atom moved skin/2).
-    halo : ``"per_model"`` (each model gets the ghosts its own halo needs) or
-        ``"max"`` (every model gets the widest halo, as LAMMPS hybrid/overlay
-        does; for comparison and benchmarks).
-    timeout : seconds a rank waits for its peers before failing.
-    """
-
-    grid: tuple[int, int, int] | None = None
-    skin: float = 0.0
-    halo: str = "per_model"
-    timeout: float = 120.0
-
-    def problem(self, world_size: int) -> str | None:
-        """What is wrong with this configuration for ``world_size`` ranks, if anything."""
-        if self.grid is not None:
-            grid = tuple(self.grid)
-            if len(grid) != 3 or any((not isinstance(g, int)) or g < 1 for g in grid):
-                return f"DomainConfig.grid must be three positive integers, got {self.grid}"
-            if math.prod(grid) != world_size:
-                return (
-                    f"DomainConfig.grid {grid} has {math.prod(grid)} bricks but the world size is {world_size}; "
-                    f"use a grid whose product is {world_size} or grid=None"
-                )
-        if not (self.skin >= 0 and math.isfinite(self.skin)):
-            return f"DomainConfig.skin must be a finite number >= 0, got {self.skin}"
-        if self.halo not in ("per_model", "max"):
-            return f"DomainConfig.halo must be 'per_model' or 'max', got {self.halo!r}"
-        if not self.timeout > 0:
-            return f"DomainConfig.timeout must be positive, got {self.timeout}"
-        return None
+__all__ = ["ShardedSystem"]
 
 
 class ShardedSystem(Domain):
@@ -139,12 +99,6 @@ class ShardedSystem(Domain):
     def world_size(self) -> int:
         return self.comm.size
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """A per-atom tensor of the owned atoms -> all atoms in original order, on every rank."""
-        full = x.new_zeros((self.n_total,) + tuple(x.shape[1:]))
-        full[self.ids] = x.detach()
-        return self.comm.all_reduce(full)
-
     def to_system(self) -> System:
         """The whole system, assembled on every rank (for output and checks)."""
         return System(
@@ -168,6 +122,30 @@ class ShardedSystem(Domain):
         if key not in self._mesh_transforms:
             self._mesh_transforms[key] = SlabMeshTransform(self.comm, key)
         return self._mesh_transforms[key]
+
+    def agree(self, problem: str | None) -> None:
+        self.comm.agree(problem)
+
+    def guard(self, what: str) -> contextlib.AbstractContextManager:
+        return self.comm.guard(what)
+
+    def problem(self, config: DomainConfig) -> str | None:
+        problem = config.problem(self.world_size)
+        if problem:
+            return problem
+        if config.grid is not None and tuple(config.grid) != tuple(self.grid):
+            grids = f"the pipeline's grid {tuple(config.grid)} differs from the system's grid {tuple(self.grid)}"
+            return f"{grids}; scatter with the pipeline's config"
+        if float(config.skin) != self.skin:
+            return f"the pipeline's skin {config.skin} differs from the system's skin {self.skin}; scatter with the pipeline's config"
+        if self.n_owned and not bool(self.positions.isfinite().all()):
+            bad = int((~self.positions.isfinite().all(dim=1)).nonzero()[0])
+            return f"atom {int(self.ids[bad])} has a non-finite position {self.positions[bad].tolist()}"
+        return None
+
+    @property
+    def n_exchanged(self) -> int:
+        return self.plan.n_ghost
 
     # ------------------------------------------------------------ the plan
     def prepare(self, width: float) -> bool:
@@ -201,8 +179,6 @@ class ShardedSystem(Domain):
         geo_pbc = self.pbc.cpu()
         lo = hi = None
         if not bool(geo_pbc.all()):
-            from .partition import Geometry
-
             frac = Geometry(self.cell, self.pbc).fractional(self.positions)
             big = torch.full((3,), math.inf, dtype=torch.float64, device=frac.device)
             lo = -self.comm.all_reduce(-(frac.min(dim=0).values if frac.shape[0] else big), "max")

@@ -45,7 +45,7 @@ class MDState:
     ----------
     sharded : the :class:`~halopipe.distributed.ShardedSystem`; it must carry
         a ``velocities`` field of shape (N, 3) in Å/fs.
-    potential : a :class:`~halopipe.distributed.DistributedPipeline`.
+    potential : a :class:`~halopipe.Pipeline`.
     """
 
     def __init__(self, sharded, potential) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedPipeline, DomainConfig, ShardedSystem
+from ..distributed import ShardedSystem
 from ..models.base import Model
 from ..pipeline import Pipeline
 from ..system import System
@@ -47,7 +47,6 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "halopipe-md-checkpoint/2"
-DEFAULT_SKIN = 1.0
 
 
 class CheckpointError(ValueError):
@@ -117,19 +116,13 @@ def _prefix_step(exc: Exception, step: int) -> None:
         exc.args = (f"MD step {step}: {exc.args[0]}", *exc.args[1:])
 
 
-def _as_distributed(model, config: DomainConfig | None) -> DistributedPipeline:
-    """Any Model, Pipeline, DistributedModel or DistributedPipeline -> a DistributedPipeline."""
-    if isinstance(model, DistributedPipeline):
-        if config is not None and (float(config.skin) != float(model.config.skin) or config.grid != model.config.grid):
-            raise ValueError(f"Simulation: config {config} differs from the DistributedPipeline's {model.config}; pass one of them")
-        return model
+def _as_pipeline(model) -> Pipeline:
+    """A Model or Pipeline -> the Pipeline whose config (skin, grid) the simulation uses."""
     if isinstance(model, Model):
-        model = Pipeline([model])
+        return Pipeline([model])
     if not isinstance(model, Pipeline):
-        raise TypeError(f"Simulation: expected a Model, Pipeline, DistributedModel or DistributedPipeline, got {type(model).__name__}")
-    if config is None:
-        config = DomainConfig(skin=model.skin if model.skin > 0 else DEFAULT_SKIN)
-    return DistributedPipeline(model, config)
+        raise TypeError(f"Simulation: expected a Model or Pipeline, got {type(model).__name__}")
+    return model
 
 
 def _with_velocities(system: System) -> System:
@@ -148,16 +141,13 @@ class Simulation:
 
     Parameters
     ----------
-    model : a :class:`~halopipe.models.Model`, :class:`~halopipe.Pipeline`,
-        :class:`~halopipe.distributed.DistributedModel` or
-        :class:`~halopipe.distributed.DistributedPipeline`.
+    model : a :class:`~halopipe.models.Model` or :class:`~halopipe.Pipeline`;
+        the pipeline's ``config`` gives the skin and the brick grid.
     system : the :class:`~halopipe.System` (needed on rank 0; other ranks may
         pass it or ``None``) or an already scattered
         :class:`~halopipe.distributed.ShardedSystem`. Velocities (Å/fs) are
         taken from its ``velocities`` field, zero if absent.
     integrator : an :class:`~halopipe.dynamics.integrators.Integrator`.
-    config : :class:`~halopipe.distributed.DomainConfig` (grid, skin); default
-        skin 1 Å.
     reporters : objects with ``start``/``report``/``finish`` (see
         :mod:`halopipe.dynamics.reporters`).
     checkpoint : path of the checkpoint file, or ``None`` for none.
@@ -171,7 +161,6 @@ class Simulation:
         model,
         system,
         integrator: Integrator,
-        config: DomainConfig | None = None,
         reporters=(),
         checkpoint: str | Path | None = None,
         checkpoint_every: int = 0,
@@ -180,7 +169,7 @@ class Simulation:
             raise TypeError(f"Simulation: integrator must be an Integrator, got {type(integrator).__name__}")
         if not (isinstance(checkpoint_every, int) and checkpoint_every >= 0):
             raise ValueError(f"Simulation: checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
-        self.potential = _as_distributed(model, config)
+        self.potential = _as_pipeline(model)
         self.config = self.potential.config
         self.integrator = integrator
         self.reporters = list(reporters)
@@ -199,7 +188,7 @@ class Simulation:
         """The physics of this run (collective: species are counted over all ranks)."""
         sh = self.sharded
         counts = sh.all_reduce(_species_counts(sh.numbers).to(sh.positions.device))
-        models, groups = pipeline_fingerprint(self.potential.pipeline)
+        models, groups = pipeline_fingerprint(self.potential)
         return {
             "system": system_identity(sh.n_total, counts, sh.cell, sh.pbc),
             "models": models,
@@ -225,7 +214,6 @@ class Simulation:
         path: str | Path,
         model,
         integrator: Integrator,
-        config: DomainConfig | None = None,
         reporters=(),
         checkpoint: str | Path | None = None,
         checkpoint_every: int = 0,
@@ -254,12 +242,12 @@ class Simulation:
             system differ from the checkpoint's and ``allow_changed`` is false.
         ValueError : another integrator type (its state cannot be continued).
         """
-        potential = _as_distributed(model, config)
+        potential = _as_pipeline(model)
         state, verdict = None, None
         if _rank() == 0:
             try:
                 state = load_checkpoint(path)
-                verdict = {"changes": restart_changes(state, potential.pipeline, integrator, system)}
+                verdict = {"changes": restart_changes(state, potential, integrator, system)}
             except (FileNotFoundError, CheckpointError) as exc:
                 verdict = {"error": type(exc).__name__, "message": str(exc)}
         verdict = _broadcast_from_rank0(verdict)  # every rank raises the same error, none waits
@@ -275,7 +263,7 @@ class Simulation:
         if changes and not allow_changed:
             raise CheckpointMismatch(path, changes)
         system_now = checkpoint_system(state, device=device) if state is not None else None
-        sim = cls(potential, system_now, integrator, None, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
+        sim = cls(potential, system_now, integrator, reporters, checkpoint if checkpoint is not None else path, checkpoint_every)
         head = {"step": state["step"], "time": state["time"], "integrator": state["integrator"]} if state is not None else None
         head = sim.sharded.comm.broadcast_object(head, src=0)
         sim.md.step, sim.md.time = int(head["step"]), float(head["time"])

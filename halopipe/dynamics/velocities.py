@@ -20,7 +20,7 @@ import torch
 from .random import VELOCITIES, gaussian
 from .units import KB, KINETIC
 
-__all__ = ["maxwell_boltzmann", "degrees_of_freedom", "kinetic_energy", "temperature"]
+__all__ = ["maxwell_boltzmann", "degrees_of_freedom", "kinetic_energy"]
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -38,11 +38,6 @@ def kinetic_energy(masses: torch.Tensor, velocities: torch.Tensor, reduce: Reduc
     """Total kinetic energy in eV of velocities in Å/fs and masses in amu (global with ``reduce``)."""
     local = 0.5 * (masses[:, None] * velocities * velocities).sum() * KINETIC
     return reduce(local.reshape(1)).reshape(())
-
-
-def temperature(kinetic: torch.Tensor | float, dof: int) -> float:
-    """Instantaneous temperature (K) of a kinetic energy (eV) spread over ``dof`` degrees of freedom."""
-    return 2.0 * float(kinetic) / (dof * KB) if dof > 0 else 0.0
 
 
 def maxwell_boltzmann(

@@ -70,10 +70,6 @@ class LocalView:
     def n_rows(self) -> int:
         return int(self.positions.shape[0])
 
-    def pairs_within(self, cutoff: float) -> torch.Tensor:
-        """Boolean mask of the pairs within a shorter ``cutoff``."""
-        return self.distances <= cutoff
-
 
 @dataclass
 class ModelOutput:

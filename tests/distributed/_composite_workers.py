@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from halopipe import DFTD3, PME, ChargeModel, Ewald, Group, LennardJones, Pipeline, Step, System
-from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+from halopipe.distributed import DomainConfig, ShardedSystem
 
 from ._workers import rank
 
@@ -46,13 +46,13 @@ def composite(name: str) -> Pipeline:
 def compare(system: System, pipeline: Pipeline, grid=None, halo: str = "per_model") -> dict | None:
     stress = bool(system.pbc.all())
     config = DomainConfig(grid=grid, halo=halo, timeout=120)
+    pipeline = Pipeline(pipeline.groups, config=config)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
-    with DistributedPipeline(pipeline, config) as dp:
-        out = dp(sharded, stress=stress)
+    out = pipeline(sharded, stress=stress)
     forces = sharded.gather(out["forces"])
     if rank() != 0:
         return None
-    ref = pipeline(system, stress=stress)
+    ref = pipeline(system, stress=stress, decompose=False)
     result = {
         "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
         "force": float((forces - ref["forces"]).abs().max()),

@@ -105,7 +105,7 @@ def run_fft_cases(cases: list) -> list:
 
 
 # ----------------------------------------------------------------- PME on slabs
-def _pme_pipelines(mode: str, sizes) -> dict:
+def _pme_pipelines(mode: str, sizes, config) -> dict:
     from halopipe import ChargeModel, Group, Pipeline, Step
     from halopipe.models.pme import PME
 
@@ -113,15 +113,15 @@ def _pme_pipelines(mode: str, sizes) -> dict:
         return PME(cutoff=6.0, accuracy=1e-6, mesh_size=sizes, order=4, mesh=mode)
 
     return {
-        "fixed_charges": Pipeline([Group([Step(pme())], autograd=True)]),
+        "fixed_charges": Pipeline([Group([Step(pme())], autograd=True)], config=config),
         # Charges that depend on positions: forces then include dE/dq * dq/dr, so they test dE/dq.
-        "charge_model": Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(pme())], autograd=True)]),
+        "charge_model": Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(pme())], autograd=True)], config=config),
     }
 
 
 def pme_case(grid, sizes) -> dict | None:
     """Distributed-mesh PME under domain decomposition vs the replicated mesh on one process."""
-    from halopipe.distributed import DistributedPipeline, DomainConfig, ShardedSystem
+    from halopipe.distributed import DomainConfig, ShardedSystem
     from halopipe.models.pme import _Stencil
 
     from ._workers import make_system, rank
@@ -129,11 +129,9 @@ def pme_case(grid, sizes) -> dict | None:
     system = make_system("triclinic")
     config = DomainConfig(grid=grid, timeout=60)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
-    distributed = _pme_pipelines("distributed", sizes)
     gathered = {}
-    for name, pipeline in distributed.items():
-        with DistributedPipeline(pipeline, config) as dp:
-            out = dp(sharded, stress=True)
+    for name, pipeline in _pme_pipelines("distributed", sizes, config).items():
+        out = pipeline(sharded, stress=True)
         gathered[name] = (out, sharded.gather(out["forces"]))
     transform = sharded.mesh_transform(sizes)
     positions = sharded.positions + sharded.owned_shift.to(sharded.positions.dtype) @ sharded.cell
@@ -144,9 +142,9 @@ def pme_case(grid, sizes) -> dict | None:
     if rank() != 0:
         return None
     result = {"largest_mesh_array": int(largest), "mesh_points": math.prod(sizes)}
-    for name, pipeline in _pme_pipelines("replicated", sizes).items():
+    for name, pipeline in _pme_pipelines("replicated", sizes, config).items():
         out, forces = gathered[name]
-        ref = pipeline(system, stress=True)
+        ref = pipeline(system, stress=True, decompose=False)
         result[name] = {
             "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
             "force": float((forces - ref["forces"]).abs().max()),

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from halopipe import ChargeModel, DSFCoulomb, Group, LennardJones, Model, ModelOutput, Pipeline, Step, System
-from halopipe.distributed import DistributedError, DistributedPipeline, DomainConfig, ShardedSystem
+from halopipe.distributed import DistributedError, DomainConfig, ShardedSystem
 
 LJ = dict(epsilon={11: 0.0115, 17: 0.0043}, sigma={11: 2.6, 17: 3.6})
 
@@ -38,7 +38,8 @@ def make_system(kind: str, seed: int = 0) -> System:
     return System.from_ase(atoms)
 
 
-def make_pipeline(kind: str = "all", skin: float = 0.0) -> Pipeline:
+def make_pipeline(kind: str = "all", skin: float = 0.0, config: DomainConfig | None = None) -> Pipeline:
+    config = config or DomainConfig(skin=skin)
     if kind == "all":  # a direct group, an autograd group, and a wired autograd group
         return Pipeline(
             [
@@ -46,36 +47,36 @@ def make_pipeline(kind: str = "all", skin: float = 0.0) -> Pipeline:
                 Group([Step(LennardJones(0.002, 3.0, cutoff=6.5), name="LJ_autograd")], autograd=True),
                 Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(DSFCoulomb(9.0, 0.2))], autograd=True),
             ],
-            skin=skin,
+            config=config,
         )
     if kind == "halo_economy":
-        return Pipeline([Group([Step(LennardJones(**LJ, cutoff=3.0))], autograd=False), Group([Step(DSFCoulomb(9.0, 0.2))])], skin=skin)
+        return Pipeline([Group([Step(LennardJones(**LJ, cutoff=3.0))], autograd=False), Group([Step(DSFCoulomb(9.0, 0.2))])], config=config)
     raise ValueError(kind)
 
 
 def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_model", pipeline_kind: str = "all") -> dict | None:
     """Evaluate distributed and (on rank 0) single-process; return differences on rank 0."""
     system = make_system(system_kind)
-    pipeline = make_pipeline(pipeline_kind, skin)
-    stress = bool(system.pbc.all())
     config = DomainConfig(grid=grid, skin=skin, halo=halo, timeout=60)
+    pipeline = make_pipeline(pipeline_kind, config=config)
+    stress = bool(system.pbc.all())
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
-    with DistributedPipeline(pipeline, config) as dp:
-        out = dp(sharded, stress=stress)
+    out = pipeline(sharded, stress=stress)
     forces = sharded.gather(out["forces"])
-    charges = sharded.gather(out["charges"])
+    charges = sharded.gather(out["fields"]["charges"])
     ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
     if rank() != 0:
         return None
-    ref = pipeline(system, stress=stress)
+    ref = pipeline(system, stress=stress, decompose=False)
     result = {
         "grid": sharded.grid,
         "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
         "energies_rel": max(
-            abs(float(out["energies"][k] - ref["energies"][k])) / max(abs(float(ref["energies"][k])), 1e-300) for k in ref["energies"]
+            abs(float(out["model_energies"][k] - ref["model_energies"][k])) / max(abs(float(ref["model_energies"][k])), 1e-300)
+            for k in ref["model_energies"]
         ),
         "force": float((forces - ref["forces"]).abs().max()),
-        "charges": float((charges - ref["charges"]).abs().max()),
+        "charges": float((charges - ref["fields"]["charges"]).abs().max()),
         "owned_once": bool((ids == 1).all()),
         "halo": out["halo"],
     }
@@ -97,8 +98,8 @@ def _walk_step(g: torch.Generator, n: int) -> torch.Tensor:
 def migration_walk(steps: int, grid, skin: float) -> dict | None:
     """Random displacements keyed by atom id; plans rebuilt and atoms migrated; compare at the end."""
     system = make_system("triclinic", seed=3)
-    pipeline = make_pipeline("all", skin=skin)
     config = DomainConfig(grid=grid, skin=skin, timeout=60)
+    pipeline = make_pipeline("all", config=config)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
     width = pipeline.halo
     owners_changed = 0
@@ -109,8 +110,7 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
         sharded.positions = sharded.positions + kick[sharded.ids]
         sharded.prepare(width)
         owners_changed += int(before.numel() != sharded.ids.numel() or not torch.equal(before, sharded.ids))
-    with DistributedPipeline(pipeline, config) as dp:
-        out = dp(sharded, stress=True)
+    out = pipeline(sharded, stress=True)
     ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
     forces = sharded.gather(out["forces"])
     final = sharded.to_system()
@@ -122,7 +122,7 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 + step)
         pos = pos + _walk_step(g, system.n_atoms)
-    ref = pipeline(system.replace(positions=pos), stress=True)
+    ref = pipeline(system.replace(positions=pos), stress=True, decompose=False)
     return {
         "ids_once": bool((ids == 1).all()),
         "positions": float((final.positions - pos).abs().max()),
@@ -136,13 +136,12 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
 def comm_volume(grid) -> dict:
     """Bytes one refresh sends vs the ghost rows this rank serves to others."""
     system = make_system("triclinic")
-    pipeline = make_pipeline("halo_economy")
     out = {}
     for halo in ("per_model", "max"):
-        config = DomainConfig(grid=grid, halo=halo, timeout=60)
+        config = DomainConfig(grid=grid, skin=0.0, halo=halo, timeout=60)
+        pipeline = make_pipeline("halo_economy", config=config)
         sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
-        with DistributedPipeline(pipeline, config) as dp:
-            res = dp(sharded)
+        res = pipeline(sharded)
         out[halo] = res["halo"]
         comm = sharded.comm
         x = torch.randn(sharded.n_owned, dtype=torch.float64)
@@ -184,14 +183,14 @@ def failure(kind: str) -> str:
         if kind == "exception":
             config = DomainConfig(timeout=5)
             sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
-            DistributedPipeline(Pipeline([Group([Step(LennardJones(**LJ, cutoff=4.0))]), FailOnRank(1)]), config)(sharded)
+            Pipeline([Group([Step(LennardJones(**LJ, cutoff=4.0))]), FailOnRank(1)], config=config)(sharded)
         elif kind == "nan":
             config = DomainConfig(timeout=5)
             sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
             if rank() == 1:
                 sharded.positions = sharded.positions.clone()
                 sharded.positions[0, 1] = float("nan")
-            DistributedPipeline(LennardJones(**LJ, cutoff=4.0), config)(sharded)
+            Pipeline([LennardJones(**LJ, cutoff=4.0)], config=config)(sharded)
         elif kind == "grid":
             ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(grid=(3, 1, 1), timeout=5))
         elif kind == "wrong_rank":
@@ -214,16 +213,16 @@ def reuse_frames(skin: float = 0.5) -> list[System]:
 def reuse_case(skin: float = 0.5) -> list[dict] | None:
     """Each frame freshly scattered and evaluated by one reused pipeline object and by a fresh one; differences on rank 0."""
     config = DomainConfig(skin=skin, timeout=60)
-    reused_dp, reused_single = DistributedPipeline(make_pipeline("all", skin), config), make_pipeline("all", skin)
+    reused_dp, reused_single = make_pipeline("all", config=config), make_pipeline("all", skin)
     diffs = []
     for frame in reuse_frames(skin):
         results = []
-        for dp in (reused_dp, DistributedPipeline(make_pipeline("all", skin), config)):
+        for dp in (reused_dp, make_pipeline("all", config=config)):
             sharded = ShardedSystem.scatter(frame if rank() == 0 else None, config)
             out = dp(sharded, stress=True)
-            results.append((float(out["energy"]), sharded.gather(out["forces"]), sharded.gather(out["charges"])))
+            results.append((float(out["energy"]), sharded.gather(out["forces"]), sharded.gather(out["fields"]["charges"])))
         if rank() == 0:
-            single = [reused_single(frame, stress=True), make_pipeline("all", skin)(frame, stress=True)]
+            single = [reused_single(frame, stress=True, decompose=False), make_pipeline("all", skin)(frame, stress=True, decompose=False)]
             (e_reused, f_reused, q_reused), (e_fresh, f_fresh, q_fresh) = results
             diffs.append(
                 {
@@ -237,3 +236,33 @@ def reuse_case(skin: float = 0.5) -> list[dict] | None:
                 }
             )
     return diffs if rank() == 0 else None
+
+
+def unchanged_script(skin: float = 0.5) -> dict:
+    """A single-process script run as is on every rank: ``pipeline(system)`` splits itself over the ranks.
+
+    Rank 0 passes the system, other ranks ``None`` in the second call. The
+    reference is the same pipeline kept on this process (``decompose=False``).
+    """
+    system = make_system("triclinic")
+    pipeline = make_pipeline("all", skin)
+    out = pipeline(system, stress=True)
+    again = pipeline(system if rank() == 0 else None, stress=True)
+    ref = pipeline(system, stress=True, decompose=False)
+    wrong_skin = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=skin + 0.25, timeout=60))
+    try:
+        pipeline(wrong_skin)
+        mismatch = "no error"
+    except (DistributedError, ValueError) as exc:
+        mismatch = str(exc)
+    return {
+        "world": dist.get_world_size(),
+        "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
+        "again_energy_rel": abs(float(again["energy"] - ref["energy"])) / abs(float(ref["energy"])),
+        "force": float((out["forces"] - ref["forces"]).abs().max()),
+        "energies": float((out["energies"] - ref["energies"]).abs().max()),
+        "charges": float((out["fields"]["charges"] - ref["fields"]["charges"]).abs().max()),
+        "stress_rel": float((out["stress"] - ref["stress"]).abs().max() / ref["stress"].abs().max()),
+        "shape": tuple(out["forces"].shape),
+        "mismatch": mismatch,
+    }

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from halopipe import LennardJones, System
+from halopipe import LennardJones, Pipeline, System
 from halopipe.distributed import DomainConfig
 from halopipe.dynamics import FIRE, Langevin, NoseHooverChain, Simulation, VelocityVerlet
 
@@ -48,7 +48,7 @@ def invariance_run(kinds: tuple[str, ...], steps: int, temperature: float, skin:
     """Run each integrator ``steps`` steps from a hot start; final positions (original order), rebuilds, migrations."""
     out = {}
     for kind in kinds:
-        sim = Simulation(lj(), argon() if rank() == 0 else None, integrator(kind), DomainConfig(skin=skin))
+        sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=skin)), argon() if rank() == 0 else None, integrator(kind))
         sim.set_velocities(temperature, seed=5)
         before = _owners(sim)
         sim.run(steps)
@@ -66,11 +66,11 @@ def invariance_run(kinds: tuple[str, ...], steps: int, temperature: float, skin:
 
 def checkpoint_run(kind: str, steps: int, path: str | None, restart_from: str | None, every: int = 0) -> dict:
     """Run to ``steps`` (fresh, or restarted from ``restart_from``), writing checkpoints to ``path``; final state on rank 0."""
-    config = DomainConfig(skin=0.5)
+    potential = Pipeline([lj()], config=DomainConfig(skin=0.5))
     if restart_from is not None:
-        sim = Simulation.restart(restart_from, lj(), integrator(kind), config, checkpoint=path, checkpoint_every=every)
+        sim = Simulation.restart(restart_from, potential, integrator(kind), checkpoint=path, checkpoint_every=every)
     else:
-        sim = Simulation(lj(), argon() if rank() == 0 else None, integrator(kind), config, checkpoint=path, checkpoint_every=every)
+        sim = Simulation(potential, argon() if rank() == 0 else None, integrator(kind), checkpoint=path, checkpoint_every=every)
         sim.set_velocities(400.0, seed=5)
     sim.run(steps - sim.step)
     final = sim.system()

@@ -18,7 +18,7 @@ import torch
 from ase import units
 from ase.calculators.lj import LennardJones as AseLJ
 
-from halopipe import LennardJones, System
+from halopipe import LennardJones, Pipeline, System
 from halopipe.distributed import DomainConfig
 from halopipe.distributed.launch import spawn
 from halopipe.dynamics import FIRE, Langevin, NoseHooverChain, Reporter, Simulation, VelocityVerlet, maxwell_boltzmann
@@ -122,7 +122,8 @@ def test_velocity_verlet_matches_ase():
 
     system = hot_argon()
     record = Record(10)
-    sim = Simulation(LennardJones(EPS, SIGMA, RC), system, VelocityVerlet(2.0), DomainConfig(skin=0.3), reporters=[record])
+    potential = Pipeline([LennardJones(EPS, SIGMA, RC)], config=DomainConfig(skin=0.3))
+    sim = Simulation(potential, system, VelocityVerlet(2.0), reporters=[record])
     sim.run(60)
     atoms = ase_atoms(system)
     AseVV(atoms, timestep=2.0 * units.fs).run(60)
@@ -163,7 +164,8 @@ def test_langevin_baoab_matches_numpy_reference(monkeypatch):
 
     monkeypatch.setattr(integrators, "KB", units.kB)  # the reference uses ASE's kB
     system = hot_argon(2)
-    sim = Simulation(LennardJones(EPS, SIGMA, RC), system, Langevin(2.0, temperature=300.0, friction=0.02, seed=9), DomainConfig(skin=0.3))
+    potential = Pipeline([LennardJones(EPS, SIGMA, RC)], config=DomainConfig(skin=0.3))
+    sim = Simulation(potential, system, Langevin(2.0, temperature=300.0, friction=0.02, seed=9))
     sim.run(40)
     reference = numpy_baoab(ase_atoms(system), 40, 2.0, 300.0, 0.02, 9)
     assert np.abs(sim.system().positions.numpy() - reference).max() < 1e-10
@@ -244,16 +246,13 @@ def test_bad_parameters_are_rejected():
         FIRE(fmax=0.0)
 
 
-def test_any_model_pipeline_or_distributed_pipeline_drives_a_simulation():
-    from halopipe import Pipeline
-    from halopipe.distributed import DistributedModel, DistributedPipeline
+def test_a_model_or_a_pipeline_drives_a_simulation():
 
-    config = DomainConfig(skin=0.3)
     lj = lambda: LennardJones(EPS, SIGMA, RC)  # noqa: E731
-    drivers = [lj(), Pipeline([lj()], skin=0.3), DistributedModel(lj(), config), DistributedPipeline(Pipeline([lj()]), config)]
+    drivers = [lj(), Pipeline([lj()], config=DomainConfig(skin=0.3)), Pipeline([lj()], config=DomainConfig(skin=0.0))]
     finals = []
     for driver in drivers:
-        sim = Simulation(driver, hot_argon(3), VelocityVerlet(2.0), None if isinstance(driver, DistributedPipeline) else config)
+        sim = Simulation(driver, hot_argon(3), VelocityVerlet(2.0))
         finals.append(sim.run(10).system().positions)
     atoms = ase_atoms(hot_argon(3))
     from ase.md.verlet import VelocityVerlet as AseVV
@@ -261,5 +260,5 @@ def test_any_model_pipeline_or_distributed_pipeline_drives_a_simulation():
     AseVV(atoms, timestep=2.0 * units.fs).run(10)
     for final in finals:
         assert np.abs(final.numpy() - atoms.positions).max() < 1e-10
-    with pytest.raises(TypeError, match="Model, Pipeline"):
+    with pytest.raises(TypeError, match="a Model or Pipeline"):
         Simulation("lj", hot_argon(), VelocityVerlet(1.0))

@@ -20,8 +20,8 @@ def test_charges_match_independent_formula(nacl):
     pauling = {11: 0.93, 17: 3.16}
     raw = torch.tensor([-0.5 * (pauling[int(z)] - 2.2) for z in nacl.numbers]) - 0.03 * cn
     want = raw - (raw.sum() - 0.5) / nacl.n_atoms
-    np.testing.assert_allclose(out["charges"].numpy(), want.numpy(), atol=1e-14)
-    assert float(out["charges"].sum()) == pytest.approx(0.5, abs=1e-12)
+    np.testing.assert_allclose(out["fields"]["charges"].numpy(), want.numpy(), atol=1e-14)
+    assert float(out["fields"]["charges"].sum()) == pytest.approx(0.5, abs=1e-12)
 
 
 def test_conformance_with_self_energy(nacl):

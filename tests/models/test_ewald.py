@@ -13,7 +13,7 @@ from ase.build import bulk
 from halopipe.models.base import LocalView
 from halopipe.models.charges import ChargeModel
 from halopipe.models.coulomb import COULOMB_CONSTANT
-from halopipe.models.ewald import Ewald, accuracy_exponent, ewald_parameters
+from halopipe.models.ewald import Ewald, ewald_parameters
 from halopipe.models.pme import PME
 from halopipe.neighbors import neighbor_list
 from halopipe.pipeline import Group, Pipeline, Step
@@ -139,13 +139,18 @@ def test_accuracy_controls_force_error():
         assert float((f - ref).norm(dim=1).max()) < 3 * acc * scale
 
 
-def test_parameters():
-    s = accuracy_exponent(1e-6)
-    assert math.exp(-s * s) == pytest.approx(1e-6, rel=1e-10)
-    alpha, kmax = ewald_parameters(8.0, 1e-6)
-    assert alpha == pytest.approx(s / 8.0) and kmax == pytest.approx(2 * s * alpha)
-    assert ewald_parameters(8.0, 1e-6, alpha=0.5)[1] == pytest.approx(2 * s * 0.5)
-    assert ewald_parameters(8.0, 1e-6, kmax=3.0) == pytest.approx((s / 8.0, 3.0))
+@pytest.mark.parametrize("cutoff, accuracy", [(8.0, 1e-6), (6.0, 1e-12), (10.0, 1e-4)])
+def test_parameters_bound_both_truncation_errors(cutoff, accuracy):
+    """The promise, checked with the standard library's erfc: both neglected tails are below the accuracy, without waste."""
+    alpha, kmax = ewald_parameters(cutoff, accuracy)
+    assert math.erfc(alpha * cutoff) <= accuracy  # real-space term erfc(alpha r) at the cutoff
+    assert math.exp(-((kmax / (2 * alpha)) ** 2)) <= accuracy * (1 + 1e-12)  # reciprocal Gaussian at k_max
+    assert math.erfc(alpha * 0.9 * cutoff) > accuracy  # not needlessly conservative: 10 % less cutoff would miss it
+    assert math.exp(-((0.9 * kmax / (2 * alpha)) ** 2)) > accuracy
+    # Overrides are taken as given; k_max still bounds the reciprocal tail for an overridden alpha.
+    alpha_given, kmax_follows = ewald_parameters(cutoff, accuracy, alpha=0.5)
+    assert alpha_given == 0.5 and math.exp(-((kmax_follows / 1.0) ** 2)) <= accuracy * (1 + 1e-12)
+    assert ewald_parameters(cutoff, accuracy, kmax=3.0) == (alpha, 3.0)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,8 @@ brick's slab. This is a superset of the Euclidean ``w``-neighbourhood, so no
 pair within a cutoff is ever missed, for any cell shape.
 
 Everything here is pure geometry on tensors (no communication, no Python loops
-over atoms); the single-process pipeline uses it with a single brick.
+over atoms). The single-process domain uses it with a single brick; the
+distributed package (``halopipe.distributed``) adds only the communication.
 """
 
 from __future__ import annotations
@@ -120,10 +121,6 @@ class Partition:
             bounds.append(b)
         return cls(tuple(int(g) for g in grid), geo, bounds)
 
-    @property
-    def n_bricks(self) -> int:
-        return self.grid[0] * self.grid[1] * self.grid[2]
-
     def rank_of(self, brick_index: torch.Tensor) -> torch.Tensor:
         """Rank of brick ``(i, j, k)``: ``i * py * pz + j * pz + k``."""
         _, py, pz = self.grid
@@ -208,7 +205,6 @@ def images_near_bricks(
     combines the axes by broadcasting: no Python loop over atoms.
     """
     device = wrapped.device
-    wrapped.shape[0]
     per_axis = []
     for a in range(3):
         p = partition.grid[a]

@@ -1,0 +1,117 @@
+"""Bricks, images near bricks and the slab metric against brute force and ASE's neighbour list."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from ase.neighborlist import neighbor_list
+
+from halopipe.geometry import Partition, choose_grid, images_near_bricks
+
+from .conftest import triclinic_nacl
+
+
+def _slab_distance(point: np.ndarray, reciprocal: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> float:
+    """Largest, over axes, Cartesian distance of ``point`` outside the slab between two lattice planes.
+
+    Computed from the point's projection on the unit reciprocal vectors (an independent route to
+    the fractional-coordinate arithmetic of ``halopipe.geometry``).
+    """
+    worst = 0.0
+    for a in range(3):
+        unit = reciprocal[a] / np.linalg.norm(reciprocal[a])
+        height = 1.0 / np.linalg.norm(reciprocal[a])
+        s = point @ unit
+        worst = max(worst, lo[a] * height - s, s - hi[a] * height)
+    return max(worst, 0.0)
+
+
+def brute_force_images(positions: np.ndarray, cell: np.ndarray, grid, width: float) -> dict:
+    """(atom, brick rank, shift) -> slab distance for every image within ``width`` of a brick, by explicit loops."""
+    reciprocal = np.linalg.inv(cell).T
+    reach = int(np.ceil(width * np.linalg.norm(reciprocal, axis=1).max())) + 2  # lattice planes within the width, and margin
+    found = {}
+    for i, r in enumerate(positions):
+        for shift in itertools.product(range(-reach, reach + 1), repeat=3):
+            image = r + np.array(shift) @ cell
+            for brick in itertools.product(*(range(p) for p in grid)):
+                lo = np.array([brick[a] / grid[a] for a in range(3)])
+                hi = np.array([(brick[a] + 1) / grid[a] for a in range(3)])
+                d = _slab_distance(image, reciprocal, lo, hi)
+                if d <= width:
+                    rank = brick[0] * grid[1] * grid[2] + brick[1] * grid[2] + brick[2]
+                    found[(i, rank, shift)] = d
+    return found
+
+
+@pytest.mark.parametrize("grid, width", [((1, 1, 1), 4.0), ((2, 3, 1), 3.0), ((2, 1, 2), 9.5)])
+def test_images_near_bricks_equal_brute_force(grid, width):
+    system = triclinic_nacl(repeat=(1, 1, 1), seed=4)
+    part = Partition.build(grid, system.cell, system.pbc)
+    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
+    got = images_near_bricks(part, wrapped, image, width)
+    mine = {(int(a), int(r), tuple(s.tolist())): float(d) for a, r, s, d in zip(got.atom, got.rank, got.shift, got.distance)}
+    want = brute_force_images(system.positions.numpy(), system.cell.numpy(), grid, width)
+    assert mine.keys() == want.keys()
+    assert max(abs(mine[k] - want[k]) for k in want) < 1e-12
+
+
+def test_every_pair_within_the_width_is_among_the_images_of_one_brick():
+    """Slab metric is a superset of Euclidean distance: ASE's pairs (i inside the brick) all appear."""
+    system = triclinic_nacl(repeat=(2, 1, 1), seed=5)
+    width = 6.5
+    part = Partition.build((1, 1, 1), system.cell, system.pbc)
+    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
+    got = images_near_bricks(part, wrapped, image, width)
+    listed = {(int(a), tuple(s.tolist())) for a, s in zip(got.atom, got.shift)}
+    listed |= {(i, (0, 0, 0)) for i in range(system.n_atoms)}  # the atoms themselves
+    atoms_positions = (system.positions + (-image.to(system.dtype)) @ system.cell).numpy()  # every atom inside the cell
+    i, j, shifts = neighbor_list("ijS", _ase_atoms(system, atoms_positions), width)
+    # j's image seen from the wrapped i is atoms_positions[j] + S @ cell = stored r_j + (S - image_j) @ cell.
+    missing = [(int(b), tuple(int(x) for x in (s - image[b].numpy()))) for b, s in zip(j, shifts)]
+    assert len(i) > 100  # 4 atoms with ~34 neighbours each
+    assert not [m for m in missing if m not in listed]
+
+
+def _ase_atoms(system, positions):
+    from ase import Atoms
+
+    return Atoms(numbers=system.numbers.numpy(), positions=positions, cell=system.cell.numpy(), pbc=system.pbc.numpy())
+
+
+def test_nearest_image_is_the_closest_candidate():
+    system = triclinic_nacl(repeat=(1, 1, 1), seed=6)
+    grid = (3, 2, 1)
+    part = Partition.build(grid, system.cell, system.pbc)
+    wrapped, _ = part.wrap(part.geometry.fractional(system.positions))
+    reciprocal = np.linalg.inv(system.cell.numpy()).T
+    g = torch.Generator().manual_seed(0)
+    bricks = torch.stack([torch.randint(0, p, (system.n_atoms,), generator=g) for p in grid], dim=1)
+    images, dist = part.nearest_image(wrapped, bricks)
+    cell = system.cell.numpy()
+    for k in range(system.n_atoms):
+        lo = np.array([bricks[k, a].item() / grid[a] for a in range(3)])
+        hi = np.array([(bricks[k, a].item() + 1) / grid[a] for a in range(3)])
+        shifts = itertools.product((-1, 0, 1), repeat=3)
+        candidates = {s: _slab_distance((wrapped[k].numpy() + np.array(s)) @ cell, reciprocal, lo, hi) for s in shifts}
+        best = min(candidates.values())
+        assert float(dist[k]) == pytest.approx(best, abs=1e-12)
+        assert candidates[tuple(images[k].tolist())] == pytest.approx(best, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "lengths, world, want",
+    [
+        ((20.0, 20.0, 20.0), 8, (2, 2, 2)),
+        ((40.0, 10.0, 10.0), 4, (4, 1, 1)),
+        ((30.0, 30.0, 10.0), 4, (2, 2, 1)),
+        ((10.0, 10.0, 70.0), 7, (1, 1, 7)),
+    ],
+)
+def test_choose_grid_minimises_brick_surface(lengths, world, want):
+    """Analytic optima: equal bricks for a cube, slices across the long axis, no cut along a short one."""
+    cell = torch.diag(torch.tensor(lengths, dtype=torch.float64))
+    assert choose_grid(world, cell, torch.tensor([True, True, True])) == want
