@@ -184,8 +184,11 @@ class Domain:
         """The (possibly distributed) 3-D FFT of a mesh of ``sizes`` shared by this domain's processes."""
         return LocalMeshTransform(sizes)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """A per-atom tensor of the owned atoms -> all atoms in the original order (on every rank)."""
+    def gather(self, x: torch.Tensor, root: int | None = None) -> torch.Tensor | None:
+        """A per-atom tensor of the owned atoms -> all atoms in the original order.
+
+        On every rank (``root=None``) or on rank ``root`` only (``None`` elsewhere).
+        """
         full = x.new_zeros((self.n_total,) + tuple(x.shape[1:]))
         full[self.ids] = x.detach()
         return self.all_reduce(full)

@@ -91,6 +91,41 @@ class Comm:
         self._checked(lambda: dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group))
         return y.to(x.device)
 
+    def gather_rows(self, x: torch.Tensor, root: int = 0) -> torch.Tensor | None:
+        """Every rank's rows of ``x`` concatenated in rank order on ``root`` (``None`` elsewhere).
+
+        One gather of the row counts, then one message per rank to ``root``:
+        ``root`` receives the ``N`` rows once, the others send only their own.
+        """
+        if not self.distributed:
+            return x
+        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)] if self.rank == root else None
+        self._checked(lambda: dist.gather(count, counts, dst=root, group=self.group))
+        rows = tuple(x.shape[1:])
+        shapes = {r: (int(c[0]),) + rows for r, c in enumerate(counts) if r != root} if self.rank == root else {}
+        got = self.exchange({} if self.rank == root else {root: x}, shapes, x.dtype, x.device)
+        if self.rank != root:
+            return None
+        return torch.cat([x if r == root else got[r] for r in range(self.size)])
+
+    def broadcast(self, x: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, src: int = 0) -> torch.Tensor:
+        """``x`` (given on ``src``) on every rank; the others pass ``None`` and the known shape and dtype."""
+        if not self.distributed:
+            return x
+        buf = x.detach().to(self.device).contiguous() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
+        if self.rank == src:
+            self.bytes_sent += buf.numel() * buf.element_size()
+        self._checked(lambda: dist.broadcast(buf, src=src, group=self.group))
+        return buf.to(device)
+
+    def exchange_counts(self, counts: list[int]) -> list[int]:
+        """``counts[r]`` to rank ``r``; returns what each rank sent here (one all-to-all of ``P`` integers)."""
+        if not self.distributed:
+            return list(counts)
+        got = self.all_to_all(torch.tensor(counts, dtype=torch.int64), [1] * self.size, [1] * self.size)
+        return got.tolist()
+
     def all_gather_object(self, obj) -> list:
         if not self.distributed:
             return [obj]

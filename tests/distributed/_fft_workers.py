@@ -155,3 +155,30 @@ def pme_case(grid, sizes) -> dict | None:
 
 def run_pme_cases(cases: list) -> list:
     return [pme_case(**case) for case in cases]
+
+
+# ------------------------------------------------------------------ gathers
+def gather_case() -> dict:
+    """Gathers to rank 0 and to every rank against the scattered system; bytes each rank sends."""
+    from halopipe.distributed import DomainConfig, ShardedSystem
+
+    from ._workers import make_system, rank
+
+    system = make_system("triclinic")
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(timeout=60))
+    sent0 = sharded.comm.bytes_sent
+    to_root = sharded.gather(sharded.positions, root=0)
+    sent = sharded.comm.bytes_sent - sent0
+    everywhere = sharded.gather(sharded.fields["charges"])
+    whole = sharded.to_system(root=0)
+    out = {
+        "root_is_none": to_root is None and whole is None,
+        "everywhere": float((everywhere - system.fields["charges"]).abs().max()),
+        "sent": sent,
+        "owned": sharded.n_owned,
+    }
+    if rank() == 0:
+        out["root"] = float((to_root - system.positions).abs().max())
+        out["numbers_equal"] = bool((whole.numbers == system.numbers).all())
+        out["masses"] = float((whole.masses - system.masses).abs().max())
+    return out
