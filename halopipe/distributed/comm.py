@@ -50,7 +50,13 @@ class Comm:
         self.rank = dist.get_rank() if self.distributed else 0
         self.size = dist.get_world_size() if self.distributed else 1
         self.group = None
+        # Traffic counters (read by benchmarks): point-to-point and all-to-all bytes and messages this rank
+        # sent, collective calls, and the payload of all-reduces and broadcasts (the bytes on the wire
+        # depend on the backend's algorithm: a ring all-reduce sends 2 (P - 1) / P times the payload).
         self.bytes_sent = 0
+        self.messages_sent = 0
+        self.collectives = 0
+        self.reduce_bytes = 0
         self._tag = 0
         self._calls = 0
         self.device = torch.device("cpu")
@@ -68,6 +74,8 @@ class Comm:
             return x.clone()
         y = x.detach().to(self.device, copy=True).contiguous()
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self.collectives += 1
+        self.reduce_bytes += y.numel() * y.element_size()
         self._checked(lambda: dist.all_reduce(y, op=ops[op], group=self.group))
         return y.to(x.device)
 
@@ -88,6 +96,8 @@ class Comm:
         y = torch.empty(sum(recv_sizes), dtype=x.dtype, device=self.device)
         t = x.detach().to(self.device).contiguous()
         self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
+        self.messages_sent += sum(1 for r, n in enumerate(send_sizes) if n and r != self.rank)
+        self.collectives += 1
         self._checked(lambda: dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group))
         return y.to(x.device)
 
@@ -101,6 +111,7 @@ class Comm:
             return x
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)] if self.rank == root else None
+        self.collectives += 1
         self._checked(lambda: dist.gather(count, counts, dst=root, group=self.group))
         rows = tuple(x.shape[1:])
         shapes = {r: (int(c[0]),) + rows for r, c in enumerate(counts) if r != root} if self.rank == root else {}
@@ -114,8 +125,8 @@ class Comm:
         if not self.distributed:
             return x
         buf = x.detach().to(self.device).contiguous() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
-        if self.rank == src:
-            self.bytes_sent += buf.numel() * buf.element_size()
+        self.collectives += 1
+        self.reduce_bytes += buf.numel() * buf.element_size()
         self._checked(lambda: dist.broadcast(buf, src=src, group=self.group))
         return buf.to(device)
 
@@ -130,6 +141,7 @@ class Comm:
         if not self.distributed:
             return [obj]
         out = [None] * self.size
+        self.collectives += 1
         self._checked(lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
@@ -137,6 +149,7 @@ class Comm:
         if not self.distributed:
             return obj
         box = [obj]
+        self.collectives += 1
         self._checked(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
@@ -159,6 +172,7 @@ class Comm:
                 continue
             t = tensor.to(self.device).contiguous()
             self.bytes_sent += t.numel() * t.element_size()
+            self.messages_sent += 1
             ops.append(dist.P2POp(dist.isend, t, peer, self.group, self._tag))
         for peer, shape in recv_shapes.items():
             if shape[0] == 0:
