@@ -54,6 +54,7 @@ class Comm:
         # sent, collective calls, and the payload of all-reduces and broadcasts (the bytes on the wire
         # depend on the backend's algorithm: a ring all-reduce sends 2 (P - 1) / P times the payload).
         self.bytes_sent = 0
+        self.all_to_all_bytes = 0  # the part of bytes_sent that went through all-to-all (PME transposes)
         self.messages_sent = 0
         self.collectives = 0
         self.reduce_bytes = 0
@@ -96,6 +97,7 @@ class Comm:
         y = torch.empty(sum(recv_sizes), dtype=x.dtype, device=self.device)
         t = x.detach().to(self.device).contiguous()
         self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
+        self.all_to_all_bytes += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
         self.messages_sent += sum(1 for r, n in enumerate(send_sizes) if n and r != self.rank)
         self.collectives += 1
         self._checked(lambda: dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group))

@@ -7,9 +7,11 @@ c10d rendezvous; ``halopipe run`` and ``halopipe verify`` then run on 4 ranks.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,23 +28,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def two_nodes(cwd: Path, *args: str, timeout: float = 150) -> list[subprocess.CompletedProcess]:
-    """Start two launchers (node ranks 0 and 1) with the same endpoint; wait for both."""
+def start_launchers(cwd: Path, *args: str, rdzv_id: str = "halopipe-test") -> list[subprocess.Popen]:
+    """Two launchers (node ranks 0 and 1, two ranks each) with the same rendezvous endpoint, running ``halopipe ARGS``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     endpoint = f"127.0.0.1:{_free_port()}"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
-    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "halopipe-test"]
-    procs = [
-        subprocess.Popen(
-            [*launcher, "--node-rank", str(node), "-m", "halopipe.cli", *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
+    launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = []
+    for node in (0, 1):
+        procs.append(subprocess.Popen([*launcher, "--node-rank", str(node), "-m", "halopipe.cli", *args], cwd=cwd, env=env, **pipes))
+        time.sleep(3.0 if node == 0 else 0.0)  # node 0 binds the endpoint first and hosts the store, as the first node would
+    return procs
+
+
+def two_nodes(cwd: Path, *args: str, timeout: float = 150) -> list[subprocess.CompletedProcess]:
+    """Run ``halopipe ARGS`` under two launchers; wait for both."""
+    procs = start_launchers(cwd, *args)
     done = []
     try:
         for p in procs:
@@ -65,3 +67,32 @@ def test_run_and_verify_with_two_launchers(tmp_path):
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 6
     nodes = two_nodes(tmp_path, "verify", str(cfg))
     assert all(n.returncode == 0 for n in nodes), [n.stderr[-2000:] for n in nodes]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_killed_on_node_1_ends_every_rank_with_a_message(tmp_path):
+    """SIGKILL one worker of launcher 1 mid-run: both launchers end, non-zero, and node 0 names the failure."""
+    import signal
+
+    cfg, out = write_tiny(tmp_path / "tiny.yaml", steps=1_000_000), tmp_path / "out"
+    procs = start_launchers(tmp_path, "run", str(cfg), "--output", str(out), rdzv_id="halopipe-kill")
+    try:
+        deadline = time.monotonic() + 150
+        while not (out / "thermo.csv").exists():  # the run is stepping
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+            time.sleep(0.5)
+        workers = subprocess.run(["pgrep", "-P", str(procs[1].pid)], capture_output=True, text=True).stdout.split()
+        assert workers, "launcher 1 has no worker processes"
+        os.kill(int(workers[0]), signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [p.communicate(timeout=120) for p in procs]
+        elapsed = time.monotonic() - killed_at
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode != 0 for p in procs)
+    assert elapsed < 120  # generous hang bound, not a timing claim
+    node0_err = results[0][1]
+    assert re.search(r"halopipe run: error on rank \d: .*rank", node0_err), node0_err[-3000:]  # one line naming the rank
