@@ -26,6 +26,7 @@ _EXPORTS = {
     "PME": "halopipe.models",
     "MACE": "halopipe.models",
     "TorchModel": "halopipe.models",
+    "NonFiniteError": "halopipe.models",
     "Pipeline": "halopipe.pipeline",
     "Group": "halopipe.pipeline",
     "Step": "halopipe.pipeline",
@@ -39,6 +40,7 @@ __all__ = [
     "Model",
     "ModelOutput",
     "LocalView",
+    "NonFiniteError",
     "LennardJones",
     "DSFCoulomb",
     "ChargeModel",
@@ -47,6 +49,7 @@ __all__ = [
     "PME",
     "MACE",
     "TorchModel",
+    "NonFiniteError",
     "Pipeline",
     "Group",
     "Step",
@@ -59,7 +62,20 @@ __all__ = [
 if TYPE_CHECKING:  # static tools see the eager imports
     from .distributed import DistributedError, ShardedSystem
     from .domain import DomainConfig
-    from .models import DFTD3, MACE, PME, ChargeModel, DSFCoulomb, Ewald, LennardJones, LocalView, Model, ModelOutput, TorchModel
+    from .models import (
+        DFTD3,
+        MACE,
+        PME,
+        ChargeModel,
+        DSFCoulomb,
+        Ewald,
+        LennardJones,
+        LocalView,
+        Model,
+        ModelOutput,
+        NonFiniteError,
+        TorchModel,
+    )
     from .pipeline import Group, Pipeline, Step
     from .system import System
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -75,22 +77,30 @@ class DomainConfig:
             raise ValueError(problem)
 
     def problem(self, world_size: int | None = None) -> str | None:
-        """What is wrong with this configuration (for ``world_size`` ranks, if given), if anything."""
+        """What is wrong with this configuration (for ``world_size`` ranks, if given), if anything.
+
+        Grid entries may be any integer type (numpy's included); a valid grid
+        is stored as a tuple of Python ints.
+        """
         if self.grid is not None:
-            grid = tuple(self.grid)
-            if len(grid) != 3 or any((not isinstance(g, int)) or g < 1 for g in grid):
-                return f"DomainConfig.grid must be three positive integers, got {self.grid}"
+            try:
+                grid = tuple(operator.index(g) for g in self.grid if not isinstance(g, bool))
+            except TypeError:
+                grid = ()
+            if len(grid) != 3 or len(tuple(self.grid)) != 3 or min(grid) < 1:
+                return f"DomainConfig.grid must be three positive integers, got {self.grid!r}"
             if world_size is not None and math.prod(grid) != world_size:
                 return (
                     f"DomainConfig.grid {grid} has {math.prod(grid)} bricks but the world size is {world_size}; "
                     f"use a grid whose product is {world_size} or grid=None"
                 )
-        if not (isinstance(self.skin, (int, float)) and self.skin >= 0 and math.isfinite(self.skin)):
+            self.grid = grid
+        if not (isinstance(self.skin, numbers.Real) and math.isfinite(self.skin) and self.skin >= 0):
             return f"DomainConfig.skin must be a finite number >= 0 (Å), got {self.skin!r}"
         if self.halo not in ("per_model", "max"):
             return f"DomainConfig.halo must be 'per_model' or 'max', got {self.halo!r}"
-        if not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
-            return f"DomainConfig.timeout must be a positive number of seconds, got {self.timeout!r}"
+        if not (isinstance(self.timeout, numbers.Real) and math.isfinite(self.timeout) and self.timeout > 0):
+            return f"DomainConfig.timeout must be a finite number of seconds > 0, got {self.timeout!r}; a stalled peer must end the run"
         return None
 
 

@@ -28,13 +28,14 @@ ranks is split by the decomposition that ``halopipe.distributed`` installs with
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .domain import Domain, DomainConfig, LocalDomain
-from .models.base import LocalView, Model
+from .models.base import LocalView, Model, NonFiniteError
 from .neighbors import owned_pairs, pair_vectors
 from .system import System
 
@@ -264,6 +265,7 @@ class Pipeline(torch.nn.Module):
         if self._domain is not None and self._domain.compatible(system) and self._domain.skin == float(self.config.skin):
             self._domain.update(system)
         else:
+            system.check_close_contacts()  # once per new system, not at every step
             self._domain = LocalDomain(system, skin=self.config.skin)
             self._pair_cache = {}
         return self._domain
@@ -380,6 +382,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
+    broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
     for g, group in enumerate(pipeline.groups):
         run = _run_autograd_group if group.autograd else _run_direct_group
         f, w, e, p = run(group, g, domain, static, stress, pair_cache, halo_of, ghost_positions)
@@ -389,7 +392,11 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
             energies += per_atom
             local_energy.append(per_atom.sum())
         produced.update(p)
-    totals = domain.all_reduce(torch.stack(local_energy))
+        broken.append((~torch.isfinite(f).all() | ~torch.isfinite(w).all()).to(dtype))
+    # One reduction for energies and flags: every rank sees the same values and raises the same error.
+    reduced = domain.all_reduce(torch.cat([torch.stack(local_energy).detach(), torch.stack(broken)]))
+    totals = reduced[: len(local_energy)]
+    _raise_if_not_finite(pipeline, totals, reduced[len(local_energy) :])
     names = [name for row in pipeline.names for name in row]
     result = {
         "energy": totals.sum(),
@@ -402,6 +409,21 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
         result["virial"] = domain.all_reduce(virial)
         result["stress"] = -result["virial"] / volume
     return result
+
+
+def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups: torch.Tensor) -> None:
+    """:class:`~halopipe.models.NonFiniteError` naming the model whose energy, or the group whose forces, is not finite."""
+    hint = "check the structure for atoms too close together and the model's parameters"
+    names = [(name, step.model.name) for row, group in zip(pipeline.names, pipeline.groups) for name, step in zip(row, group.steps)]
+    for (name, model), value in zip(names, totals.tolist()):
+        if not math.isfinite(value):
+            label = model if name == model else f"{name} ({model})"
+            raise NonFiniteError(f"{label} returned a non-finite energy ({value}); {hint}", model)
+    for row, group, flag in zip(pipeline.names, pipeline.groups, broken_groups.tolist()):
+        if flag != 0:
+            models = ", ".join(row)
+            culprit = group.steps[0].model.name if len(row) == 1 else models
+            raise NonFiniteError(f"non-finite forces or virial from {models}; {hint}", culprit)
 
 
 def _run_autograd_group(group: Group, g: int, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):

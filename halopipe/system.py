@@ -5,16 +5,28 @@ immutable in spirit: methods that change it return a new one. Rows of the cell
 are lattice vectors; ``pbc[a]`` says whether axis ``a`` is periodic. Per-atom
 fields (``charges``, ``velocities``, ...) travel with the atoms through
 partitioning and migration.
+
+Two atoms closer than ``min_distance`` (0.5 Å by default, far below any
+chemical bond, the shortest being H2's 0.74 Å) are a broken structure (a
+duplicated atom, wrong units, a bad cell), and most potentials return ``inf``
+or ``nan`` for them. :meth:`System.check_close_contacts` finds them with a
+neighbour search (linear in the number of atoms); it runs once at setup, when
+:meth:`~halopipe.distributed.ShardedSystem.scatter` distributes a system and when a
+:class:`~halopipe.Pipeline` first sees one, not at every construction.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-__all__ = ["System", "standard_masses"]
+__all__ = ["DEFAULT_MIN_DISTANCE", "System", "standard_masses"]
+
+#: Default closest approach of two atoms (Å) below which a structure is rejected.
+DEFAULT_MIN_DISTANCE = 0.5
 
 
 def standard_masses(numbers: torch.Tensor) -> torch.Tensor:
@@ -45,6 +57,8 @@ class System:
     pbc : (3,) bool tensor.
     masses : (N,) tensor in amu; defaults to standard atomic masses.
     fields : per-atom tensors whose first dimension is N (e.g. ``charges``).
+    min_distance : closest two atoms (or an atom and a periodic image) may be,
+        Å; checked at setup by :meth:`check_close_contacts`. 0 disables it.
     """
 
     positions: torch.Tensor
@@ -53,6 +67,7 @@ class System:
     pbc: torch.Tensor | None = None
     masses: torch.Tensor | None = None
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    min_distance: float = DEFAULT_MIN_DISTANCE
 
     def __post_init__(self) -> None:
         positions = self.positions
@@ -115,6 +130,43 @@ class System:
                 )
             if value.is_floating_point() and not torch.isfinite(value).all():
                 raise ValueError(f"System: field '{name}' has non-finite values")
+        if not (isinstance(self.min_distance, (int, float)) and math.isfinite(self.min_distance) and self.min_distance >= 0):
+            raise ValueError(f"System: min_distance must be a finite number of Å >= 0, got {self.min_distance!r}")
+
+    def check_close_contacts(self) -> None:
+        """Raise ``ValueError`` naming the closest two atoms if they are nearer than ``min_distance``.
+
+        Periodic images count: an atom may also be too close to an image of
+        another (or of itself, in a tiny cell). Uses a neighbour search within
+        ``min_distance``, linear in the number of atoms.
+        """
+        if self.min_distance == 0 or self.n_atoms == 0:
+            return
+        from .neighbors import neighbor_list  # vesin, imported when first needed
+
+        pos, cell = self.positions.detach().to(torch.float64).cpu(), self.cell.detach().to(torch.float64).cpu()
+        i, j, shifts = neighbor_list(pos, cell, self.pbc.cpu(), self.min_distance, full=False)
+        if i.numel() == 0:
+            return
+        distances = (pos[j] + shifts.to(torch.float64) @ cell - pos[i]).norm(dim=1)
+        close = distances < self.min_distance
+        if not bool(close.any()):
+            return
+        k = int(torch.argmin(torch.where(close, distances, torch.inf)))
+        a, b = int(i[k]), int(j[k])
+        others = int(close.sum()) - 1
+        raise ValueError(
+            f"System: {self._atom_label(a)} and {'its own periodic image' if a == b else self._atom_label(b)} are "
+            f"{float(distances[k]):.4g} Å apart, closer than min_distance={self.min_distance:g} Å"
+            + (f" ({others} more pair(s) too close)" if others else "")
+            + "; the structure has overlapping atoms (a duplicated atom, wrong units or cell?). "
+            "Fix the structure, or lower System.min_distance if such contacts are intended"
+        )
+
+    def _atom_label(self, index: int) -> str:
+        from ase.data import chemical_symbols
+
+        return f"atom {index} ({chemical_symbols[int(self.numbers[index])]})"
 
     def _check_periodic_cell(self) -> None:
         cell = self.cell.detach().to(torch.float64).cpu()
@@ -170,6 +222,7 @@ class System:
             pbc=conv(self.pbc),
             masses=conv(self.masses),
             fields={k: conv(v) for k, v in self.fields.items()},
+            min_distance=self.min_distance,
         )
 
     # -------------------------------------------------------------------- ASE

@@ -9,7 +9,12 @@
 * energy is invariant under translation and rotation (forces rotate along);
 * forces sum to zero;
 * direct forces and virial, where offered, equal the autograd ones;
-* produced per-atom fields are invariant under translation and rotation.
+* produced per-atom fields are invariant under translation and rotation;
+* on a view that owns no atoms (a rank whose brick is empty: vacuum, a cluster
+  in a box) the model returns no energies, zero forces and virial, and calls
+  the same collectives (``refresh``, ``global_sum``, forward and backward) in
+  the same order as on a populated view, so its peers are never left waiting
+  (:func:`check_empty_view`).
 
 Run it in float64: tolerances are set for that.
 """
@@ -17,13 +22,17 @@ Run it in float64: tolerances are set for that.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
-from .pipeline import Group, Pipeline, Step
+from .domain import LocalDomain
+from .models.base import LocalView
+from .pipeline import Group, Pipeline, Step, build_view
 from .system import System
 
-__all__ = ["check_model", "finite_difference_forces", "finite_difference_stress", "random_rotation"]
+__all__ = ["check_empty_view", "check_model", "finite_difference_forces", "finite_difference_stress", "random_rotation"]
 
 
 def _energy(pipeline: Pipeline, system: System) -> float:
@@ -111,6 +120,7 @@ def check_model(
     dict of the largest error seen in each check.
     """
     report: dict[str, float] = {}
+    check_empty_view(model, system)
     pipe = Pipeline([Group([Step(model)], autograd=True)])
     periodic = bool(system.pbc.all())
     ref = pipe(system, stress=periodic)
@@ -164,3 +174,119 @@ def _check_fields(label: str, model, got: dict, ref: dict, atol: float, report: 
         a, b = got["fields"][name], ref["fields"][name]
         if a.ndim == 1:
             _close(f"{label}_{name}", a, b, atol * max(1.0, float(b.abs().max())), 0.0, report)
+
+
+# ----------------------------------------------------------------------------- empty views
+Collective = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _recorded(collective: Collective, label: str, log: list, per_row: bool) -> Collective:
+    """``collective`` that logs each call and each time its backward runs (a gradient reaches its output).
+
+    The logged shape is what must agree across ranks: the trailing shape of a
+    per-row tensor (``per_row``), the whole shape otherwise.
+    """
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        entry = f"{label}{tuple(x.shape[1:] if per_row else x.shape)}"
+        log.append(entry)
+        y = collective(x).clone()  # a node of our own to hook, even for an identity
+        if y.requires_grad:
+            y.register_hook(lambda grad: log.append(f"{entry}.backward"))
+        return y
+
+    return call
+
+
+def _collectives(model, view: LocalView, direct: bool) -> tuple[list[str], object, torch.Tensor]:
+    """Run ``model`` on ``view`` (plus the backward an autograd group does); the collectives it called, output, dE/drows."""
+    log: list[str] = []
+    rows = view.positions.detach().requires_grad_(True)
+    vectors = rows[view.pairs[1]] - rows[view.pairs[0]]
+    view = replace(
+        view,
+        positions=rows,
+        vectors=vectors,
+        distances=vectors.norm(dim=1),
+        refresh=_recorded(view.refresh, "refresh", log, per_row=True),
+        global_sum=_recorded(view.global_sum, "global_sum", log, per_row=False),
+    )
+    if direct:
+        with torch.no_grad():
+            out = model(view, direct=True)
+        return log, out, torch.zeros_like(rows)
+    out = model(view)
+    total = out.energies.sum() + 0.0 * rows.sum()  # as the pipeline does, so a rank without atoms has a graph
+    (grad,) = torch.autograd.grad(total, rows, allow_unused=True)
+    return log, out, torch.zeros_like(rows) if grad is None else grad
+
+
+def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
+    """A populated single-process view of ``system`` and two views owning no atoms.
+
+    The first empty view keeps every row of the populated one as a ghost (an
+    empty brick next to the atoms), the second has no rows at all (an empty
+    brick far from them). Their ``refresh`` fills ghost rows with zeros: what a
+    rank without atoms receives does not matter, only that it asks for it.
+    """
+    domain = LocalDomain(system)
+    domain.prepare(model.halo)
+    positions = system.positions.detach()
+    full = build_view(domain, Step(model), model.halo, positions, system.cell, dict(system.fields), {}, "check_empty_view")
+    views = []
+    for rows in (full.n_rows, 0):
+
+        def refresh(x: torch.Tensor, rows: int = rows) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros((rows,) + tuple(x.shape[1:]))])
+
+        views.append(
+            replace(
+                full,
+                positions=full.positions.detach()[:rows],
+                numbers=full.numbers[:rows],
+                n_owned=0,
+                pairs=full.pairs[:, :0],
+                vectors=full.vectors.detach()[:0],
+                distances=full.distances.detach()[:0],
+                fields={k: v.detach()[:rows] for k, v in full.fields.items()},
+                refresh=refresh,
+                global_sum=lambda x: x,
+                ids=full.ids[:rows],
+            )
+        )
+    return full, views
+
+
+def check_empty_view(model, system: System) -> None:
+    """Check ``model`` on views that own no atoms; raises ``AssertionError``.
+
+    Under domain decomposition a rank whose brick holds no atom still runs
+    every model: it must return no energies (zero-length), zero direct forces
+    and virial, finite zero gradients, and call the same collectives, forward
+    and backward, in the same order as a rank with atoms, or its peers wait
+    for it forever. The reference order comes from a populated view of
+    ``system`` (one process).
+    """
+    full, empties = _empty_views(model, system)
+    for direct in (False, True) if model.direct_forces else (False,):
+        want, _, _ = _collectives(model, full, direct)
+        for view in empties:
+            where = f"check_model: on a view owning no atoms and {view.n_rows} ghost rows{' (direct)' if direct else ''}"
+            try:
+                got, out, grad = _collectives(model, view, direct)
+            except Exception as exc:
+                raise AssertionError(f"{where}, {model.name} raised {type(exc).__name__}: {exc}") from exc
+            if got != want:
+                raise AssertionError(f"{where}, {model.name} calls the collectives {got}, but {want} with atoms: its peers would hang")
+            if tuple(out.energies.shape) != (0,):
+                raise AssertionError(f"{where}, {model.name} returned energies of shape {tuple(out.energies.shape)}, not (0,)")
+            for name, value in out.fields.items():
+                if value.shape[0] != 0:
+                    raise AssertionError(f"{where}, {model.name} produced field {name!r} with {value.shape[0]} rows, not 0")
+            if not bool((grad == 0).all()):
+                raise AssertionError(f"{where}, the gradient of {model.name}'s energy is not zero on every row")
+            if direct:
+                if out.forces is None or tuple(out.forces.shape) != (view.n_rows, 3) or not bool((out.forces == 0).all()):
+                    raise AssertionError(f"{where}, {model.name}'s direct forces are not zero on its {view.n_rows} rows")
+                if out.virial is None or not bool((out.virial == 0).all()):
+                    raise AssertionError(f"{where}, {model.name}'s virial is not zero")

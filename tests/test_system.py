@@ -65,3 +65,65 @@ def test_bad_input_is_rejected_with_a_clear_message(kwargs, match):
 def test_non_periodic_axis_may_have_zero_vector():
     s = System(positions=[[0, 0, 0], [1, 1, 1]], numbers=[1, 1], cell=[[5, 0, 0], [0, 5, 0], [0, 0, 0]], pbc=[True, True, False])
     assert s.pbc.tolist() == [True, True, False]
+
+
+def _nacl_with(positions_edit) -> System:
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat(2)
+    positions_edit(atoms.positions, atoms.cell.array)
+    return System.from_ase(atoms)
+
+
+def test_coincident_atoms_are_named_with_symbols_and_distance():
+    def duplicate(pos, cell):
+        pos[9] = pos[4]
+
+    system = _nacl_with(duplicate)
+    numbers = system.numbers.tolist()
+    with pytest.raises(ValueError, match=r"atom 4 \((Na|Cl)\) and atom 9 \((Na|Cl)\) are 0 Å apart, closer than min_distance=0.5 Å"):
+        system.check_close_contacts()
+    assert {numbers[4], numbers[9]} <= {11, 17}
+
+
+def test_close_contact_across_the_periodic_boundary():
+    def across(pos, cell):
+        pos[0] = [0.1, 1.0, 1.0]
+        pos[1] = [cell[0, 0] - 0.2, 1.0, 1.0]  # 0.3 Å from atom 0 through the x boundary
+
+    system = _nacl_with(across)
+    with pytest.raises(ValueError, match=r"atom 0 \(Na\) and atom 1 \(Cl\) are 0.3 Å apart"):
+        system.check_close_contacts()
+    system.replace(pbc=[False, True, True]).check_close_contacts()  # not periodic along x: 11 Å apart, fine
+
+
+def test_min_distance_is_overridable_and_validated():
+    def near(pos, cell):
+        pos[1] = pos[0] + [0.4, 0.0, 0.0]
+
+    system = _nacl_with(near)
+    with pytest.raises(ValueError, match="0.4 Å apart"):
+        system.check_close_contacts()
+    system.replace(min_distance=0.3).check_close_contacts()
+    system.replace(min_distance=0.0).check_close_contacts()  # disabled
+    with pytest.raises(ValueError, match="min_distance must be a finite number"):
+        system.replace(min_distance=float("nan"))
+
+
+def test_close_contacts_are_found_at_setup_by_pipeline_and_scatter():
+    from halopipe import LennardJones, Pipeline
+    from halopipe.distributed import ShardedSystem
+
+    def duplicate(pos, cell):
+        pos[3] = pos[2]
+
+    system = _nacl_with(duplicate)
+    with pytest.raises(ValueError, match=r"atom 2 \(\w+\) and atom 3"):
+        Pipeline([LennardJones(cutoff=5.0)])(system)
+    with pytest.raises(ValueError, match=r"atom 2 \(\w+\) and atom 3"):
+        ShardedSystem.scatter(system)
+
+
+def test_close_contact_search_scales_linearly():
+    """A neighbour search, not all pairs: 62500 atoms have 2e9 pairs, whose distances alone would take 16 GB."""
+    atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(25)  # 62500 atoms, nearest neighbours 2.55 Å
+    system = System.from_ase(atoms)
+    system.check_close_contacts()

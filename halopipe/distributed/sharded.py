@@ -298,6 +298,7 @@ def _scatter_problem(system, config: DomainConfig, src: int, comm: Comm) -> str 
             return f"ShardedSystem.scatter: expected a halopipe.System, got {type(system).__name__}"
         try:
             system.validate()
+            system.check_close_contacts()
         except ValueError as exc:
             return str(exc)
     return None

@@ -1,7 +1,7 @@
 """Interatomic models. Each file holds one model family: physics only."""
 
 from .adapter import TorchModel
-from .base import LocalView, Model, ModelOutput, virial_from_forces
+from .base import LocalView, Model, ModelOutput, NonFiniteError, virial_from_forces
 from .charges import ChargeModel
 from .coulomb import DSFCoulomb
 from .dftd3 import DFTD3
@@ -14,6 +14,7 @@ __all__ = [
     "LocalView",
     "Model",
     "ModelOutput",
+    "NonFiniteError",
     "virial_from_forces",
     "LennardJones",
     "DSFCoulomb",

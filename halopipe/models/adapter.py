@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from ..neighbors import owned_pairs, pair_vectors
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["HOOKS", "TorchModel"]
 
@@ -75,8 +75,7 @@ class TorchModel(Model):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchModel: module must be a torch.nn.Module, got {type(module).__name__}")
-        if not float(cutoff) > 0:
-            raise ValueError(f"TorchModel: cutoff must be positive, got {cutoff}")
+        check_positive_length("TorchModel", "cutoff", cutoff)
         if int(layers) != layers or layers < 1:
             raise ValueError(f"TorchModel: layers must be a positive integer, got {layers}")
         missing = [h for h in HOOKS if not callable(getattr(module, h, None))]

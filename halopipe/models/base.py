@@ -19,12 +19,36 @@ all ranks yields exact forces and stress for any composition of models.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-__all__ = ["LocalView", "ModelOutput", "Model", "virial_from_forces", "direct_by_local_autograd"]
+__all__ = ["LocalView", "ModelOutput", "Model", "NonFiniteError", "check_positive_length", "virial_from_forces", "direct_by_local_autograd"]
+
+
+class NonFiniteError(ValueError):
+    """A model produced a non-finite energy, force or virial (``nan`` or ``inf``).
+
+    ``str(error)`` names the model; callers that know more (the MD step) can
+    re-raise with a prefix: ``raise NonFiniteError(f"step {n}: {error}", error.model) from error``.
+    """
+
+    def __init__(self, message: str, model: str | None = None) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+def check_positive_length(owner: str, name: str, value) -> float:
+    """``value`` as a float if it is a finite positive length (Å); otherwise ``ValueError`` naming ``owner`` and ``name``."""
+    try:
+        length = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: {name} must be a positive number of Å, got {value!r}") from None
+    if not (math.isfinite(length) and length > 0):
+        raise ValueError(f"{owner}: {name} must be a finite positive number of Å, got {value!r}")
+    return length
 
 
 @dataclass

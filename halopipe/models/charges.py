@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["ChargeModel", "PAULING_ELECTRONEGATIVITY"]
 
@@ -85,9 +85,10 @@ class ChargeModel(Model):
         self, cutoff: float = 4.0, electronegativity=None, coordination_weight=0.02, total_charge: float = 0.0, hardness=0.0
     ) -> None:
         super().__init__()
-        if cutoff <= 0:
-            raise ValueError(f"ChargeModel: cutoff must be positive, got {cutoff}")
-        self.cutoff, self.total_charge = float(cutoff), float(total_charge)
+        cutoff = check_positive_length("ChargeModel", "cutoff", cutoff)
+        if not math.isfinite(float(total_charge)):
+            raise ValueError(f"ChargeModel: total_charge must be a finite number (e), got {total_charge!r}")
+        self.cutoff, self.total_charge = cutoff, float(total_charge)
         default_chi = {z: -0.5 * (en - 2.2) for z, en in PAULING_ELECTRONEGATIVITY.items()}
         chi, known = _species_table(electronegativity, default_chi)
         w = coordination_weight if isinstance(coordination_weight, Mapping) else None

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["DSFCoulomb", "COULOMB_CONSTANT"]
 
@@ -45,9 +45,10 @@ class DSFCoulomb(Model):
 
     def __init__(self, cutoff: float = 10.0, alpha: float = 0.2) -> None:
         super().__init__()
-        if cutoff <= 0 or alpha < 0:
-            raise ValueError(f"DSFCoulomb: need cutoff > 0 and alpha >= 0, got cutoff={cutoff}, alpha={alpha}")
-        self.cutoff, self.alpha = float(cutoff), float(alpha)
+        cutoff = check_positive_length("DSFCoulomb", "cutoff", cutoff)
+        if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha >= 0):
+            raise ValueError(f"DSFCoulomb: alpha must be a finite number >= 0 (1/Å), got {alpha!r}")
+        self.cutoff, self.alpha = cutoff, float(alpha)
         a, rc = self.alpha, self.cutoff
         self._erfc_rc = math.erfc(a * rc) / rc
         self._slope = math.erfc(a * rc) / rc**2 + 2 * a / math.sqrt(math.pi) * math.exp(-((a * rc) ** 2)) / rc

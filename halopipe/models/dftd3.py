@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from ase import units
 
-from .base import LocalView, Model, ModelOutput, direct_by_local_autograd
+from .base import LocalView, Model, ModelOutput, check_positive_length, direct_by_local_autograd
 
 __all__ = ["DEFAULT_ATM_CUTOFF", "DEFAULT_CN_CUTOFF", "DEFAULT_CUTOFF", "DFTD3", "known_functionals"]
 
@@ -216,8 +216,9 @@ class DFTD3(Model):
     ) -> None:
         super().__init__()
         for label, value in (("cutoff", cutoff), ("cn_cutoff", cn_cutoff), ("atm_cutoff", atm_cutoff)):
-            if not float(value) > 0:
-                raise ValueError(f"DFTD3: {label} must be a positive distance in Å, got {value}")
+            check_positive_length("DFTD3", label, value)
+        if not math.isfinite(float(s9)):
+            raise ValueError(f"DFTD3: s9 must be a finite number, got {s9!r}")
         damping = str(damping).lower()
         p = _functional_parameters(functional, damping)
         for key, value in dict(params or {}).items():

@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 
 __all__ = [
@@ -97,17 +97,17 @@ def ewald_parameters(cutoff: float, accuracy: float = 1e-6, alpha: float | None 
     -------
     (alpha, kmax) in 1/Å.
     """
-    if not cutoff > 0:
-        raise ValueError(f"cutoff must be positive, got {cutoff} Å")
+    if not (cutoff > 0 and math.isfinite(cutoff)):
+        raise ValueError(f"cutoff must be a finite positive number of Å, got {cutoff}")
     s = accuracy_exponent(accuracy)
     if alpha is None:
         alpha = s / cutoff
-    elif not alpha > 0:
-        raise ValueError(f"alpha must be positive (1/Å), got {alpha}")
+    elif not (alpha > 0 and math.isfinite(alpha)):
+        raise ValueError(f"alpha must be a finite positive number (1/Å), got {alpha}")
     if kmax is None:
         kmax = 2.0 * s * alpha
-    elif not kmax > 0:
-        raise ValueError(f"kmax must be positive (1/Å), got {kmax}")
+    elif not (kmax > 0 and math.isfinite(kmax)):
+        raise ValueError(f"kmax must be a finite positive number (1/Å), got {kmax}")
     return float(alpha), float(kmax)
 
 
@@ -209,7 +209,11 @@ class SplitCoulomb(Model):
 
     def __init__(self, cutoff: float, accuracy: float, alpha: float | None, kmax: float | None) -> None:
         super().__init__()
-        self.alpha, self.kmax = ewald_parameters(cutoff, accuracy, alpha, kmax)
+        check_positive_length(self.name, "cutoff", cutoff)
+        try:
+            self.alpha, self.kmax = ewald_parameters(cutoff, accuracy, alpha, kmax)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
         self.cutoff, self.accuracy = float(cutoff), float(accuracy)
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["LennardJones"]
 
@@ -60,12 +60,11 @@ class LennardJones(Model):
 
     def __init__(self, epsilon=0.0103, sigma=3.4, cutoff: float = 8.5, shift: bool = True) -> None:
         super().__init__()
-        if cutoff <= 0:
-            raise ValueError(f"LennardJones: cutoff must be positive, got {cutoff}")
+        cutoff = check_positive_length("LennardJones", "cutoff", cutoff)
         eps, k1 = _pair_table(epsilon, "epsilon", lambda a, b: math.sqrt(a * b))
         sig, k2 = _pair_table(sigma, "sigma", lambda a, b: 0.5 * (a + b))
-        if (eps < 0).any() or (sig[k2] <= 0).any():
-            raise ValueError("LennardJones: epsilon must be >= 0 and sigma > 0")
+        if not (torch.isfinite(eps).all() and torch.isfinite(sig).all()) or (eps < 0).any() or (sig[k2] <= 0).any():
+            raise ValueError(f"LennardJones: need finite epsilon >= 0 and sigma > 0, got epsilon={epsilon}, sigma={sigma}")
         self.cutoff = float(cutoff)
         self.shift = bool(shift)
         self.register_buffer("epsilon", eps)

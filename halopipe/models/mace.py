@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..neighbors import owned_pairs, pair_vectors
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["MACE"]
 
@@ -76,6 +76,26 @@ def _check_supported(module: torch.nn.Module) -> None:
         )
 
 
+def _product(product: torch.nn.Module, node_feats: torch.Tensor, sc: torch.Tensor | None, attrs: torch.Tensor) -> torch.Tensor:
+    """mace's product block on some rows, also on none (a rank that owns no atoms).
+
+    mace's symmetric contraction cannot reshape a tensor of zero rows, so zero
+    rows are padded with one zero row whose output is dropped. The padding is
+    appended to the (empty) inputs rather than made afresh, so the result stays
+    on the inputs' graph: the backward pass then still runs through every
+    refresh of this rank, and its halo exchanges meet their peers'.
+    """
+    if node_feats.shape[0] > 0:
+        return product(node_feats=node_feats, sc=sc, node_attrs=attrs)
+
+    def pad(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+
+    padded_attrs = pad(attrs)
+    padded_attrs[0, 0] = 1.0  # a valid one-hot species for the padding row
+    return product(node_feats=pad(node_feats), sc=pad(sc), node_attrs=padded_attrs)[:0]
+
+
 class MACE(Model):
     """A mace-torch model (``mace.modules.MACE`` / ``ScaleShiftMACE``) as a halopipe model.
 
@@ -105,9 +125,7 @@ class MACE(Model):
             raise ValueError(f"MACE: halo_mode must be one of {_HALO_MODES}, got {halo_mode!r}")
         self.module = module
         self.halo_mode = halo_mode
-        self.cutoff = float(module.r_max)
-        if not self.cutoff > 0:
-            raise ValueError(f"MACE: the model's r_max must be positive, got {self.cutoff}")
+        self.cutoff = check_positive_length("MACE", "the model's r_max", module.r_max)
         self.num_layers = len(module.interactions)
         self.head_index = self._head_index(module, head)
         self.species = [int(z) for z in module.atomic_numbers]
@@ -199,11 +217,11 @@ class MACE(Model):
                 first_layer=(k == 0),
             )
             if self.halo_mode == "wide":
-                node_feats = product(node_feats=node_feats, sc=sc, node_attrs=attrs)
+                node_feats = _product(product, node_feats, sc, attrs)
             else:
                 # Only owned receivers have complete neighbourhoods: the product
                 # runs on them and ghosts take their owners' values.
-                owned = product(node_feats=node_feats[:n], sc=None if sc is None else sc[:n], node_attrs=attrs[:n])
+                owned = _product(product, node_feats[:n], None if sc is None else sc[:n], attrs[:n])
                 node_feats = view.refresh(owned) if k + 1 < self.num_layers else owned
             per_layer.append(node_feats[:n])
 

@@ -61,7 +61,7 @@ import torch
 from torchpme.lib import KSpaceFilter, KSpaceKernel, MeshInterpolator
 
 from ..meshfft import MeshTransform
-from .base import LocalView
+from .base import LocalView, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 from .ewald import SplitCoulomb, accuracy_exponent
 
@@ -208,8 +208,8 @@ class PME(SplitCoulomb):
             mesh_size = tuple(int(n) for n in mesh_size)
             if len(mesh_size) != 3 or min(mesh_size) < order:
                 raise ValueError(f"PME: mesh_size must be three integers >= order ({order}), got {mesh_size}")
-        if mesh_spacing is not None and not mesh_spacing > 0:
-            raise ValueError(f"PME: mesh_spacing must be positive (Å), got {mesh_spacing}")
+        if mesh_spacing is not None:
+            check_positive_length("PME", "mesh_spacing", mesh_spacing)
         self.order = int(order)
         self.fixed_mesh = mesh_size
         self.mesh_spacing = float(mesh_spacing) if mesh_spacing is not None else default_mesh_spacing(self.alpha, accuracy, self.order)

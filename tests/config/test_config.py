@@ -197,9 +197,9 @@ def test_skin_has_one_owner():
     """Unset, the skin is DomainConfig's default; set, it reaches the pipeline and the domain alike."""
     cfg = parse_config(config())
     assert cfg.domain_config() == DomainConfig()
-    assert cfg.build_pipeline().skin == DomainConfig().skin
+    assert cfg.build_pipeline().config == DomainConfig() and DomainConfig().skin == 1.0
     cfg = parse_config(config(domain={"skin": 0.7, "grid": [np.int64(1), np.int64(1), np.int64(2)]}))
-    assert cfg.build_pipeline().skin == cfg.domain_config().skin == 0.7
+    assert cfg.build_pipeline().config.skin == cfg.domain_config().skin == 0.7
     grid = cfg.domain_config().grid
     assert grid == (1, 1, 2) and all(type(g) is int for g in grid)  # numpy integers are accepted, as ints
 

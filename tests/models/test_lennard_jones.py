@@ -78,7 +78,7 @@ def test_missing_species_parameters_are_named(nacl):
 
 
 def test_bad_cutoff():
-    with pytest.raises(ValueError, match="cutoff must be positive"):
+    with pytest.raises(ValueError, match="LennardJones: cutoff must be a finite positive number of Å"):
         LennardJones(0.01, 3.0, -1.0)
 
 

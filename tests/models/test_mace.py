@@ -20,7 +20,7 @@ from mace.calculators import MACECalculator
 from halopipe.models.mace import MACE
 from halopipe.pipeline import Group, Pipeline, Step
 from halopipe.system import System
-from halopipe.testing import check_model
+from halopipe.testing import check_empty_view, check_model
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -185,3 +185,12 @@ def test_check_model():
     model = build_model("scaleshift_L2_corr3")
     atoms = make_atoms(True, n_side=2)  # 8 atoms in a small triclinic cell: many periodic images
     check_model(MACE(model), System.from_ase(atoms))
+
+
+@pytest.mark.parametrize("halo_mode", ["layer", "wide"])
+def test_rank_without_atoms(model, halo_mode):
+    """A view owning no atoms (with ghost rows, and with none) runs, gives nothing, and refreshes like a populated one.
+
+    mace's symmetric contraction cannot reshape zero rows; this once crashed a rank whose brick was empty.
+    """
+    check_empty_view(MACE(model, halo_mode=halo_mode), System.from_ase(make_atoms(True)))
