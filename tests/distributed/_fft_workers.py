@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from halopipe.distributed import Comm
@@ -122,7 +120,6 @@ def _pme_pipelines(mode: str, sizes, config) -> dict:
 def pme_case(grid, sizes) -> dict | None:
     """Distributed-mesh PME under domain decomposition vs the replicated mesh on one process."""
     from halopipe.distributed import DomainConfig, ShardedSystem
-    from halopipe.models.pme import _Stencil
 
     from ._workers import make_system, rank
 
@@ -133,15 +130,9 @@ def pme_case(grid, sizes) -> dict | None:
     for name, pipeline in _pme_pipelines("distributed", sizes, config).items():
         out = pipeline(sharded, stress=True)
         gathered[name] = (out, sharded.gather(out["forces"]))
-    transform = sharded.mesh_transform(sizes)
-    positions = sharded.positions + sharded.owned_shift.to(sharded.positions.dtype) @ sharded.cell
-    box = math.prod(_Stencil(sharded.cell, positions, sizes, 4).extent)
-    slab = transform.planes[transform.comm.rank] * sizes[1] * sizes[2]
-    spectrum = 2 * sizes[0] * transform.rows[transform.comm.rank] * (sizes[2] // 2 + 1)
-    largest = sharded.all_reduce(torch.tensor([max(box, slab, spectrum)]), "max")
     if rank() != 0:
         return None
-    result = {"largest_mesh_array": int(largest), "mesh_points": math.prod(sizes)}
+    result = {}
     for name, pipeline in _pme_pipelines("replicated", sizes, config).items():
         out, forces = gathered[name]
         ref = pipeline(system, stress=True, decompose=False)
