@@ -9,8 +9,21 @@
 * error agreement: ``agree`` turns a local problem on any rank into the same
   :class:`DistributedError` on every rank, before any data moves, and
   ``guard`` reports an exception raised mid-way to the other ranks through the
-  rendezvous store, so they end with the failing rank's message instead of
-  hanging (at the latest after the configured timeout).
+  rendezvous store.
+
+Failing fast: with gloo, every collective and exchange runs asynchronously and
+the waiting rank looks at the store whenever an operation takes longer than
+``POLL_SECONDS``. A rank that fails inside ``guard`` writes its message and
+bumps a failure counter there, so its peers stop waiting within one poll and
+raise its message; it then waits only until every other rank has either seen
+the failure or failed itself (so the same error on all ranks ends at once).
+A peer that stalls without failing is caught by the group's timeout.
+
+Communicators with the same timeout share one process group (created on first
+use, collectively; released by ``dist.destroy_process_group()``), so scattering
+many systems does not accumulate sockets and threads. A group that saw a
+failure is spent: it may hold abandoned operations, so it is dropped from the
+cache and its communicators raise the failure again if used.
 
 Without an initialised process group (or with one rank) every operation is
 local, so the same code serves single-process use.
@@ -20,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
+import threading
 import time
 
 import torch
@@ -27,9 +42,20 @@ import torch.distributed as dist
 
 __all__ = ["Comm", "DistributedError", "GlobalSum"]
 
+POLL_SECONDS = 0.05  # a wait longer than this checks the store for peer failures, then every POLL_SECONDS
+REPORT_GRACE_SECONDS = 1.0  # after a communication error, how long to look for a peer's reported cause
+CONNECT_SECONDS = 300.0  # how long creating a group waits for the other ranks (operations then use the timeout)
+
 
 class DistributedError(RuntimeError):
-    """An error on one rank, reported on every rank."""
+    """An error on one rank, reported on every rank.
+
+    ``rank`` is the rank where the error arose (``None`` when unknown).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 class Comm:
@@ -40,11 +66,7 @@ class Comm:
     timeout : seconds a rank waits for a peer before failing.
     """
 
-    _created = 0  # communicators are created collectively, so this count agrees across ranks
-
     def __init__(self, timeout: float = 120.0) -> None:
-        Comm._created += 1
-        self._serial = Comm._created
         self.timeout = float(timeout)
         self.distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank = dist.get_rank() if self.distributed else 0
@@ -59,13 +81,17 @@ class Comm:
         self.collectives = 0
         self.reduce_bytes = 0
         self._tag = 0
-        self._calls = 0
+        self._activity = "communication"
         self.device = torch.device("cpu")
         if self.distributed:
             self.backend = dist.get_backend()
             if self.backend == "nccl":  # NCCL moves CUDA tensors only
                 self.device = torch.device("cuda", torch.cuda.current_device())
-            self.group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout))
+            # NCCL work completes on the GPU stream; polling it would synchronise every call, so only gloo polls.
+            self._polled = self.backend == "gloo"
+            self._shared = _shared_group(self.timeout)
+            self.group = self._shared.group
+            self._prefix = self._shared.prefix  # store keys of this group's failure reports
             self._store = _default_store()
 
     # ----------------------------------------------------------- collectives
@@ -77,7 +103,7 @@ class Comm:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         self.collectives += 1
         self.reduce_bytes += y.numel() * y.element_size()
-        self._checked(lambda: dist.all_reduce(y, op=ops[op], group=self.group))
+        self._run(lambda: [dist.all_reduce(y, op=ops[op], group=self.group, async_op=True)])
         return y.to(x.device)
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +126,7 @@ class Comm:
         self.all_to_all_bytes += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
         self.messages_sent += sum(1 for r, n in enumerate(send_sizes) if n and r != self.rank)
         self.collectives += 1
-        self._checked(lambda: dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group))
+        self._run(lambda: [dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group, async_op=True)])
         return y.to(x.device)
 
     def gather_rows(self, x: torch.Tensor, root: int = 0) -> torch.Tensor | None:
@@ -114,7 +140,7 @@ class Comm:
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)] if self.rank == root else None
         self.collectives += 1
-        self._checked(lambda: dist.gather(count, counts, dst=root, group=self.group))
+        self._run(lambda: [dist.gather(count, counts, dst=root, group=self.group, async_op=True)])
         rows = tuple(x.shape[1:])
         shapes = {r: (int(c[0]),) + rows for r, c in enumerate(counts) if r != root} if self.rank == root else {}
         got = self.exchange({} if self.rank == root else {root: x}, shapes, x.dtype, x.device)
@@ -129,7 +155,7 @@ class Comm:
         buf = x.detach().to(self.device).contiguous() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
         self.collectives += 1
         self.reduce_bytes += buf.numel() * buf.element_size()
-        self._checked(lambda: dist.broadcast(buf, src=src, group=self.group))
+        self._run(lambda: [dist.broadcast(buf, src=src, group=self.group, async_op=True)])
         return buf.to(device)
 
     def exchange_counts(self, counts: list[int]) -> list[int]:
@@ -140,19 +166,21 @@ class Comm:
         return got.tolist()
 
     def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj``, by rank (blocking; used after a collective all ranks reached)."""
         if not self.distributed:
             return [obj]
         out = [None] * self.size
         self.collectives += 1
-        self._checked(lambda: dist.all_gather_object(out, obj, group=self.group))
+        self._run(lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def broadcast_object(self, obj, src: int = 0):
+        """``obj`` of rank ``src`` on every rank (blocking)."""
         if not self.distributed:
             return obj
         box = [obj]
         self.collectives += 1
-        self._checked(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        self._run(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
     def exchange(
@@ -186,12 +214,7 @@ class Comm:
             out[peer] = buf
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag))
         if ops:
-
-            def run():
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait()
-
-            self._checked(run)
+            self._run(lambda: dist.batch_isend_irecv(ops), p2p=True)
         return {peer: t.to(device) for peer, t in out.items()}
 
     # ---------------------------------------------------------------- errors
@@ -210,81 +233,211 @@ class Comm:
             return
         problems = self.all_gather_object(problem)
         text = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-        raise DistributedError(text)
+        raise DistributedError(text, rank=next(r for r, p in enumerate(problems) if p))
 
     @contextlib.contextmanager
     def guard(self, what: str):
         """Turn an exception on one rank into an error on every rank.
 
-        The failing rank writes its message to the rendezvous store and waits
-        (up to the timeout) for the others to see it; the others fail in their
-        next communication (a timeout or a closed connection), read the
-        message and raise it as their own :class:`DistributedError`.
+        The failing rank reports its message through the rendezvous store and
+        waits until every other rank has seen it or failed itself (at most the
+        timeout); ranks waiting in a communication see the report within
+        ``POLL_SECONDS`` and raise it as their own :class:`DistributedError`.
         """
-        self._calls += 1
-        key = f"halopipe/{self._serial}/{self._calls}"
+        self._activity = what
         try:
             yield
-        except _PeerFailure as failure:
-            raise self._peer_error(key, what) from failure.__cause__
         except DistributedError:
             raise
         except Exception as exc:
             if not self.distributed:
                 raise
-            if isinstance(exc, RuntimeError) and self._someone_reported(key):
-                raise self._peer_error(key, what) from exc
+            reported = self._reported_failure()  # a peer's failure that reached us wrapped (e.g. by autograd)
+            if reported is not None:
+                raise reported from exc
             message = f"rank {self.rank} failed during {what}: {type(exc).__name__}: {exc}"
-            self._store.set(f"{key}/error/{self.rank}", message)
-            self._wait_for_acks(key)
-            raise DistributedError(message) from exc
+            self._report(message)
+            raise DistributedError(message, rank=self.rank) from exc
+        finally:
+            self._activity = "communication"
 
-    def _checked(self, fn) -> None:
+    # ------------------------------------------------------------- internals
+    def _run(self, start, p2p: bool = False) -> None:
+        """Run ``start()`` (async works, or ``None`` when it blocks) and wait for the works, watching for peer failures."""
+        spent = self._shared.failure
+        if spent is not None:
+            raise DistributedError(f"this process group failed earlier: {spent}", rank=spent.rank)
         try:
-            fn()
-        except Exception as exc:  # a peer failed or timed out
-            raise _PeerFailure(f"rank {self.rank}: communication with its peers failed: {exc}") from exc
+            works = start() or []
+            if not self._polled:
+                for work in works:
+                    work.wait()
+            elif p2p:
+                self._wait_p2p(works)
+            else:
+                for work in works:
+                    self._wait_collective(work)
+        except DistributedError as exc:
+            self._spend(exc)
+            raise
+        except Exception as exc:  # the group's timeout, or a peer that closed its connections
+            failure = self._reported_failure(grace=min(REPORT_GRACE_SECONDS, self.timeout)) or DistributedError(
+                f"rank {self.rank}: communication with its peers failed during {self._activity} and no rank reported a cause "
+                f"(a peer stalled for longer than the {self.timeout:g} s timeout, or died): {_first_line(exc)}"
+            )
+            self._spend(failure)
+            raise failure from exc
 
-    def _someone_reported(self, key: str) -> bool:
-        """Has another rank already written its error for this guarded call?"""
-        with contextlib.suppress(Exception):
-            return any(self._store.check([f"{key}/error/{r}"]) for r in range(self.size) if r != self.rank)
-        return False
-
-    def _peer_error(self, key: str, what: str) -> DistributedError:
-        deadline = time.monotonic() + min(self.timeout, 30.0)
+    def _wait_collective(self, work) -> None:
+        """A timed wait on a gloo collective leaves it running, so wait in slices and check the store between them."""
+        poll = datetime.timedelta(seconds=POLL_SECONDS)
         while True:
-            for r in range(self.size):
-                k = f"{key}/error/{r}"
-                with contextlib.suppress(Exception):
-                    if self._store.check([k]):
-                        message = self._store.get(k).decode()
-                        self._store.set(f"{key}/ack/{self.rank}", "1")
-                        return DistributedError(f"{message} (reported on rank {self.rank})")
-            if time.monotonic() > deadline:
-                return DistributedError(
-                    f"rank {self.rank}: communication failed during {what} and no rank reported a cause (a peer may have died)"
-                )
-            time.sleep(0.05)
-
-    def _wait_for_acks(self, key: str) -> None:
-        deadline = time.monotonic() + self.timeout + 5.0
-        others = [f"{key}/ack/{r}" for r in range(self.size) if r != self.rank]
-        while time.monotonic() < deadline:
-            with contextlib.suppress(Exception):
-                if self._store.check(others):
+            try:
+                work.wait(timeout=poll)
+                return
+            except RuntimeError:
+                if work.is_completed():  # finished meanwhile, or failed: an untimed wait returns or raises its error
+                    work.wait()
                     return
-            time.sleep(0.05)
+            self._raise_reported_failure()
 
-    def close(self) -> None:
-        if self.distributed and self.group is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self.group)
-            self.group = None
+    def _wait_p2p(self, works) -> None:
+        """A timed wait on a gloo send/recv closes the connection, so a helper thread waits while this one checks the store."""
+        job = _P2PWaiter.submit(works, datetime.timedelta(seconds=self.timeout))
+        while not job.wait(POLL_SECONDS):
+            try:
+                self._raise_reported_failure()
+            except DistributedError:
+                _P2PWaiter.abandon()
+                raise
+        if job.error is not None:
+            raise job.error
+
+    def _raise_reported_failure(self) -> None:
+        failure = self._reported_failure()
+        if failure is not None:
+            raise failure
+
+    def _report(self, message: str) -> None:
+        """Tell the other ranks about this rank's failure; wait until each has seen it or failed (at most the timeout)."""
+        failure = DistributedError(message, rank=self.rank)
+        self._spend(failure)
+        with contextlib.suppress(Exception):  # the store may be gone with a dead rank 0: nobody left to tell
+            self._store.set(f"{self._prefix}/error/{self.rank}", message)
+            self._store.add(f"{self._prefix}/failed", 1)
+            self._count_as_told()
+            deadline = time.monotonic() + self.timeout
+            while self._store.add(f"{self._prefix}/told", 0) < self.size and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def _reported_failure(self, grace: float = 0.0) -> DistributedError | None:
+        """A failure another rank reported to the store (looking for up to ``grace`` seconds), or ``None``."""
+        deadline = time.monotonic() + grace
+        while True:
+            with contextlib.suppress(Exception):  # a store that cannot be reached holds no report
+                if self._store.add(f"{self._prefix}/failed", 0) > 0:
+                    for r in range(self.size):
+                        key = f"{self._prefix}/error/{r}"
+                        if r != self.rank and self._store.check([key]):
+                            message = self._store.get(key).decode()
+                            self._count_as_told()
+                            return DistributedError(f"{message} (reported on rank {self.rank})", rank=r)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_SECONDS)
+
+    def _count_as_told(self) -> None:
+        if not self._shared.told:
+            self._shared.told = True
+            self._store.add(f"{self._prefix}/told", 1)
+
+    def _spend(self, failure: DistributedError) -> None:
+        """After a failure the group may hold abandoned operations: no communicator may use it again."""
+        if self._shared.failure is None:
+            self._shared.failure = failure
+        _GroupCache.groups = {t: g for t, g in _GroupCache.groups.items() if g is not self._shared}
 
 
-class _PeerFailure(DistributedError):
-    """A communication call failed; inside :meth:`Comm.guard` the cause is looked up in the store."""
+class _Job(threading.Event):
+    """Point-to-point works handed to the waiter thread; set when all completed (``error`` if one failed)."""
+
+    def __init__(self, works, timeout: datetime.timedelta) -> None:
+        super().__init__()
+        self.works, self.timeout, self.error = works, timeout, None
+
+
+class _P2PWaiter:
+    """One daemon thread per process that waits on point-to-point works for the main thread.
+
+    A waiter stuck on works abandoned after a peer's failure is left to the
+    group's timeout; the next submission starts a fresh one.
+    """
+
+    jobs: queue.SimpleQueue | None = None
+
+    @classmethod
+    def submit(cls, works, timeout: datetime.timedelta) -> _Job:
+        if cls.jobs is None:
+            cls.jobs = queue.SimpleQueue()
+            threading.Thread(target=cls._serve, args=(cls.jobs,), name="halopipe-p2p-waiter", daemon=True).start()
+        job = _Job(works, timeout)
+        cls.jobs.put(job)
+        return job
+
+    @classmethod
+    def abandon(cls) -> None:
+        cls.jobs = None
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            job = jobs.get()
+            try:
+                for work in job.works:
+                    work.wait(timeout=job.timeout)  # else send/recv would wait the group's (longer) connect timeout
+            except Exception as exc:
+                job.error = exc
+            job.set()
+
+
+class _SharedGroup:
+    """A process group shared by the communicators of one timeout, and the failure that spent it (if any)."""
+
+    created = 0  # groups are created collectively, so this count agrees across ranks
+
+    def __init__(self, timeout: float) -> None:
+        _SharedGroup.created += 1
+        self.prefix = f"halopipe/{_SharedGroup.created}"
+        self.told = False  # has this rank counted itself as aware of the failure?
+        if dist.get_backend() == "gloo":
+            # Joining waits as long as joining the default group did: a rank may arrive late from reading its input.
+            self.group = dist.new_group(timeout=datetime.timedelta(seconds=max(timeout, CONNECT_SECONDS)))
+            self.group.set_timeout(datetime.timedelta(seconds=timeout))
+        else:
+            self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        self.failure: DistributedError | None = None
+
+
+class _GroupCache:
+    """One shared group per timeout, valid while the default group it was made from lives."""
+
+    world = None
+    groups: dict[float, _SharedGroup] = {}
+
+
+def _shared_group(timeout: float) -> _SharedGroup:
+    world = dist.distributed_c10d._get_default_group()
+    if _GroupCache.world is not world:  # the default group was destroyed and created again
+        _GroupCache.world, _GroupCache.groups = world, {}
+    shared = _GroupCache.groups.get(timeout)
+    if shared is None:
+        shared = _GroupCache.groups[timeout] = _SharedGroup(timeout)
+    return shared
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def _default_store():

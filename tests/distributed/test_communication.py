@@ -2,6 +2,7 @@ import pytest
 
 from halopipe.distributed.launch import spawn
 
+from ._lifetime_workers import many_scatters
 from ._workers import comm_volume, failure
 
 
@@ -42,3 +43,13 @@ def test_bad_input_is_rejected_on_every_rank(kind, expected):
         assert all(e in m for e in expected), m
         seconds = float(m.rsplit("after ", 1)[1].split(" s]")[0])
         assert seconds < 5, m  # rejected before any data moved, not by a timeout
+
+
+@pytest.mark.timeout(300)
+def test_many_scatters_reuse_one_process_group():
+    """500 scatters on 2 ranks: descriptors and threads stay bounded (each used to leak a process group)."""
+    for r in spawn(many_scatters, 2, 500, timeout=280):
+        fds_first, fds_last = r["fds"]
+        threads_first, threads_last = r["threads"]
+        assert fds_last <= fds_first + 4, r
+        assert threads_last <= threads_first + 1, r
