@@ -34,22 +34,29 @@ def start_launchers(cwd: Path, *args: str, rdzv_id: str = "halopipe-test") -> li
     endpoint = f"127.0.0.1:{_free_port()}"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
     launcher += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     procs = []
     for node in (0, 1):
-        procs.append(subprocess.Popen([*launcher, "--node-rank", str(node), "-m", "halopipe.cli", *args], cwd=cwd, env=env, **pipes))
+        # Output goes to files: an undrained pipe of one launcher would block it and, through the rendezvous, the other.
+        logs = dict(stdout=open(cwd / f"node{node}.out", "w"), stderr=open(cwd / f"node{node}.err", "w"))
+        procs.append(subprocess.Popen([*launcher, "--node-rank", str(node), "-m", "halopipe.cli", *args], cwd=cwd, env=env, **logs))
+        procs[-1].logs = (cwd / f"node{node}.out", cwd / f"node{node}.err")
         time.sleep(3.0 if node == 0 else 0.0)  # node 0 binds the endpoint first and hosts the store, as the first node would
     return procs
 
 
-def two_nodes(cwd: Path, *args: str, timeout: float = 150) -> list[subprocess.CompletedProcess]:
+def outputs(p: subprocess.Popen) -> tuple[str, str]:
+    """(stdout, stderr) a launcher started by :func:`start_launchers` wrote."""
+    return p.logs[0].read_text(), p.logs[1].read_text()
+
+
+def two_nodes(cwd: Path, *args: str, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Run ``halopipe ARGS`` under two launchers; wait for both."""
     procs = start_launchers(cwd, *args)
     done = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+            p.wait(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, *outputs(p)))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -58,7 +65,7 @@ def two_nodes(cwd: Path, *args: str, timeout: float = 150) -> list[subprocess.Co
     return done
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_run_and_verify_with_two_launchers(tmp_path):
     cfg, out = write_tiny(tmp_path / "tiny.yaml"), tmp_path / "out"
     nodes = two_nodes(tmp_path, "run", str(cfg), "--output", str(out))
@@ -85,7 +92,9 @@ def test_a_rank_killed_on_node_1_ends_every_rank_with_a_message(tmp_path):
         assert workers, "launcher 1 has no worker processes"
         os.kill(int(workers[0]), signal.SIGKILL)
         killed_at = time.monotonic()
-        results = [p.communicate(timeout=120) for p in procs]
+        for p in procs:
+            p.wait(timeout=120)
+        results = [outputs(p) for p in procs]
         elapsed = time.monotonic() - killed_at
     finally:
         for p in procs:
