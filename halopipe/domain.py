@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .geometry import Partition, images_near_bricks
+from .meshfft import LocalMeshTransform, MeshTransform
 from .neighbors import max_displacement
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
@@ -213,8 +214,15 @@ class Domain:
         """Non-differentiable reduction over ranks (identity on one process)."""
         return x
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """A per-atom tensor of the owned atoms -> all atoms in the original order (on every rank)."""
+    def mesh_transform(self, sizes) -> MeshTransform:
+        """The (possibly distributed) 3-D FFT of a mesh of ``sizes`` shared by this domain's processes."""
+        return LocalMeshTransform(sizes)
+
+    def gather(self, x: torch.Tensor, root: int | None = None) -> torch.Tensor | None:
+        """A per-atom tensor of the owned atoms -> all atoms in the original order.
+
+        On every rank (``root=None``) or on rank ``root`` only (``None`` elsewhere).
+        """
         full = x.new_zeros((self.n_total,) + tuple(x.shape[1:]))
         full[self.ids] = x.detach()
         return self.all_reduce(full)

@@ -354,6 +354,7 @@ def build_view(
         ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
         cutoff=float(model.cutoff),
         half_list=vec is None,
+        mesh_transform=domain.mesh_transform,
     )
 
 

@@ -72,7 +72,14 @@ class Comm:
         self.rank = dist.get_rank() if self.distributed else 0
         self.size = dist.get_world_size() if self.distributed else 1
         self.group = None
+        # Traffic counters (read by benchmarks): point-to-point and all-to-all bytes and messages this rank
+        # sent, collective calls, and the payload of all-reduces and broadcasts (the bytes on the wire
+        # depend on the backend's algorithm: a ring all-reduce sends 2 (P - 1) / P times the payload).
         self.bytes_sent = 0
+        self.all_to_all_bytes = 0  # the part of bytes_sent that went through all-to-all (PME transposes)
+        self.messages_sent = 0
+        self.collectives = 0
+        self.reduce_bytes = 0
         self._tag = 0
         self._activity = "communication"
         self.device = torch.device("cpu")
@@ -94,6 +101,8 @@ class Comm:
             return x.clone()
         y = x.detach().to(self.device, copy=True).contiguous()
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        self.collectives += 1
+        self.reduce_bytes += y.numel() * y.element_size()
         self._run(lambda: [dist.all_reduce(y, op=ops[op], group=self.group, async_op=True)])
         return y.to(x.device)
 
@@ -103,11 +112,65 @@ class Comm:
             return x
         return GlobalSum.apply(x, self)
 
+    def all_to_all(self, x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """Send consecutive pieces of the 1-D tensor ``x`` (``send_sizes[r]`` elements to rank ``r``).
+
+        Returns the received pieces concatenated by source rank (``recv_sizes``);
+        one ``all_to_all_single`` (gloo and NCCL). Not differentiable by itself.
+        """
+        if not self.distributed:
+            return x.clone()
+        y = torch.empty(sum(recv_sizes), dtype=x.dtype, device=self.device)
+        t = x.detach().to(self.device).contiguous()
+        self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
+        self.all_to_all_bytes += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
+        self.messages_sent += sum(1 for r, n in enumerate(send_sizes) if n and r != self.rank)
+        self.collectives += 1
+        self._run(lambda: [dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group, async_op=True)])
+        return y.to(x.device)
+
+    def gather_rows(self, x: torch.Tensor, root: int = 0) -> torch.Tensor | None:
+        """Every rank's rows of ``x`` concatenated in rank order on ``root`` (``None`` elsewhere).
+
+        One gather of the row counts, then one message per rank to ``root``:
+        ``root`` receives the ``N`` rows once, the others send only their own.
+        """
+        if not self.distributed:
+            return x
+        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)] if self.rank == root else None
+        self.collectives += 1
+        self._run(lambda: [dist.gather(count, counts, dst=root, group=self.group, async_op=True)])
+        rows = tuple(x.shape[1:])
+        shapes = {r: (int(c[0]),) + rows for r, c in enumerate(counts) if r != root} if self.rank == root else {}
+        got = self.exchange({} if self.rank == root else {root: x}, shapes, x.dtype, x.device)
+        if self.rank != root:
+            return None
+        return torch.cat([x if r == root else got[r] for r in range(self.size)])
+
+    def broadcast(self, x: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, src: int = 0) -> torch.Tensor:
+        """``x`` (given on ``src``) on every rank; the others pass ``None`` and the known shape and dtype."""
+        if not self.distributed:
+            return x
+        buf = x.detach().to(self.device).contiguous() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
+        self.collectives += 1
+        self.reduce_bytes += buf.numel() * buf.element_size()
+        self._run(lambda: [dist.broadcast(buf, src=src, group=self.group, async_op=True)])
+        return buf.to(device)
+
+    def exchange_counts(self, counts: list[int]) -> list[int]:
+        """``counts[r]`` to rank ``r``; returns what each rank sent here (one all-to-all of ``P`` integers)."""
+        if not self.distributed:
+            return list(counts)
+        got = self.all_to_all(torch.tensor(counts, dtype=torch.int64), [1] * self.size, [1] * self.size)
+        return got.tolist()
+
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, by rank (blocking; used after a collective all ranks reached)."""
         if not self.distributed:
             return [obj]
         out = [None] * self.size
+        self.collectives += 1
         self._run(lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
@@ -116,6 +179,7 @@ class Comm:
         if not self.distributed:
             return obj
         box = [obj]
+        self.collectives += 1
         self._run(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
@@ -138,6 +202,7 @@ class Comm:
                 continue
             t = tensor.to(self.device).contiguous()
             self.bytes_sent += t.numel() * t.element_size()
+            self.messages_sent += 1
             ops.append(dist.P2POp(dist.isend, t, peer, self.group, self._tag))
         for peer, shape in recv_shapes.items():
             if shape[0] == 0:

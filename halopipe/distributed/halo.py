@@ -41,11 +41,8 @@ class HaloPlan:
         send_rank = images.rank[order]
         send_dist = images.distance[order]
         counts = torch.bincount(send_rank, minlength=size)
-        matrix = torch.zeros(size, size, dtype=torch.int64, device=device)
-        matrix[comm.rank] = counts
-        matrix = comm.all_reduce(matrix)
-        self.send_counts = matrix[comm.rank].tolist()
-        self.recv_counts = matrix[:, comm.rank].tolist()
+        self.send_counts = counts.tolist()
+        self.recv_counts = comm.exchange_counts(self.send_counts)  # P integers per rank, not a P x P all-reduce
         starts = torch.cumsum(counts, 0) - counts
         self.send_index = {d: self.send_atom[int(starts[d]) : int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
         self.send_dist = {d: send_dist[int(starts[d]) : int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}

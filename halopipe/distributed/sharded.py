@@ -28,6 +28,7 @@ from ..geometry import Geometry, Partition, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
 from ..system import System
 from .comm import Comm
+from .fft import SlabMeshTransform
 from .halo import HaloGather, HaloPlan
 
 __all__ = ["ShardedSystem"]
@@ -49,6 +50,7 @@ class ShardedSystem(Domain):
         self._width = -1.0
         self._ref: torch.Tensor | None = None
         self._ref_cell: torch.Tensor | None = None
+        self._mesh_transforms: dict[tuple[int, int, int], SlabMeshTransform] = {}
 
     # ------------------------------------------------------------- creation
     @classmethod
@@ -102,22 +104,44 @@ class ShardedSystem(Domain):
     def world_size(self) -> int:
         return self.comm.size
 
-    def to_system(self) -> System:
-        """The whole system, assembled on every rank (for output and checks)."""
-        return System(
-            positions=self.gather(self.positions),
-            numbers=self.gather(self.numbers),
-            cell=self.cell,
-            pbc=self.pbc,
-            masses=self.gather(self.masses),
-            fields={k: self.gather(v) for k, v in self.fields.items()},
-        )
+    def gather(self, x: torch.Tensor, root: int | None = None) -> torch.Tensor | None:
+        """A per-atom tensor of the owned atoms -> all atoms in the original order.
+
+        On ``root`` only (``None`` elsewhere) when ``root`` is a rank: each rank
+        sends its rows and ids there once (trajectories, checkpoints). With
+        ``root=None`` on every rank: gathered to rank 0, then broadcast.
+        """
+        # ids travel with the rows (float64 holds integers exactly up to 2**53), so root can put rows in order.
+        packed = torch.cat([self.ids[:, None].to(torch.float64), x.detach().reshape(x.shape[0], -1).to(torch.float64)], dim=1)
+        rows = self.comm.gather_rows(packed, 0 if root is None else root)
+        full = None
+        if rows is not None:
+            full = x.new_empty((self.n_total,) + tuple(x.shape[1:]))
+            full.view(self.n_total, -1)[rows[:, 0].long()] = rows[:, 1:].to(x.dtype)
+        if root is None:
+            return self.comm.broadcast(full, (self.n_total,) + tuple(x.shape[1:]), x.dtype, x.device)
+        return full
+
+    def to_system(self, root: int | None = None) -> System | None:
+        """The whole system, assembled on every rank, or on ``root`` only (``None`` elsewhere)."""
+        parts = [self.gather(v, root) for v in (self.positions, self.numbers, self.masses)]
+        fields = {k: self.gather(v, root) for k, v in self.fields.items()}
+        if parts[0] is None:
+            return None
+        return System(positions=parts[0], numbers=parts[1], cell=self.cell, pbc=self.pbc, masses=parts[2], fields=fields)
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.global_sum(x)
 
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.comm.all_reduce(x, op)
+
+    def mesh_transform(self, sizes) -> SlabMeshTransform:
+        """The slab-decomposed FFT of a mesh of ``sizes`` over this system's ranks (cached per size)."""
+        key = tuple(int(n) for n in sizes)
+        if key not in self._mesh_transforms:
+            self._mesh_transforms[key] = SlabMeshTransform(self.comm, key)
+        return self._mesh_transforms[key]
 
     def agree(self, problem: str | None) -> None:
         self.comm.agree(problem)
@@ -236,10 +260,8 @@ class ShardedSystem(Domain):
         size = self.comm.size
         order = torch.argsort(dest, stable=True)
         counts = torch.bincount(dest, minlength=size)
-        matrix = torch.zeros(size, size, dtype=torch.int64, device=dest.device)
-        matrix[self.rank] = counts
-        matrix = self.comm.all_reduce(matrix)
-        send_counts, recv_counts = matrix[self.rank].tolist(), matrix[:, self.rank].tolist()
+        send_counts = counts.tolist()
+        recv_counts = self.comm.exchange_counts(send_counts)  # P integers per rank, not a P x P all-reduce
         floats, ints = self._pack()
         received = []
         for data, dtype in ((floats[order], floats.dtype), (ints[order], torch.int64)):

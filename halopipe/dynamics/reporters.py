@@ -226,8 +226,8 @@ class Trajectory(Reporter):
     def report(self, sim, thermo) -> None:
         from ase.calculators.singlepoint import SinglePointCalculator
 
-        system = sim.system()  # collective gather, original order
-        forces = sim.sharded.gather(sim.md.forces)
+        system = sim.sharded.to_system(root=0)  # collective gather to rank 0, original order
+        forces = sim.sharded.gather(sim.md.forces, root=0)
         if sim.rank != 0:
             return
         import ase.io

@@ -404,18 +404,26 @@ class Simulation:
 
     # --------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict:
-        """Everything needed to continue, full arrays in original atom order (collective)."""
+        """Everything needed to continue, full arrays in original atom order (collective).
+
+        The per-atom arrays are gathered to rank 0 only (``None`` on the other ranks).
+        """
         sh, md = self.sharded, self.md
-        fields = {k: sh.gather(v).cpu() for k, v in sh.fields.items()}
+
+        def on_rank0(x: torch.Tensor) -> torch.Tensor | None:
+            full = sh.gather(x, root=0)
+            return None if full is None else full.cpu()
+
+        fields = {k: on_rank0(v) for k, v in sh.fields.items()}
         return {
             "format": CHECKPOINT_FORMAT,
             "step": md.step,
             "time": md.time,
             "n_atoms": sh.n_total,
-            "positions": sh.gather(sh.positions).cpu(),
+            "positions": on_rank0(sh.positions),
             "velocities": fields.pop("velocities"),
-            "numbers": sh.gather(sh.numbers).cpu(),
-            "masses": sh.gather(sh.masses).cpu(),
+            "numbers": on_rank0(sh.numbers),
+            "masses": on_rank0(sh.masses),
             "cell": sh.cell.detach().cpu(),
             "pbc": sh.pbc.cpu(),
             "fields": fields,

@@ -73,6 +73,8 @@ class LocalView:
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
+    mesh_transform : ``sizes -> MeshTransform``, the 3-D FFT of a periodic
+        mesh shared by all ranks (:mod:`halopipe.meshfft`; local on one process).
     n_total : number of atoms in the whole system.
     ids : (R,) global atom index of each row (owner's index for ghosts).
     half_list : ``pairs`` is a half candidate list (given to models that set
@@ -94,6 +96,7 @@ class LocalView:
     ids: torch.Tensor
     cutoff: float = 0.0
     half_list: bool = False
+    mesh_transform: Callable | None = None
 
     @property
     def n_rows(self) -> int:

@@ -27,34 +27,30 @@ orders 1 to 5); the FFT convolution uses :class:`torchpme.lib.KSpaceFilter`
 with the SPME kernel above. Both are differentiable in positions and cell and
 run in float64.
 
-Domain decomposition and its cost
----------------------------------
-Each rank spreads only its OWNED charges onto a full-size copy of the mesh;
-``view.global_sum`` adds the ranks' meshes (an all-reduce, differentiable:
-its backward all-reduces the mesh gradient), every rank filters the complete
-mesh and interpolates the potential at its owned atoms only. The mesh is thus
-replicated: every rank holds all ``M`` mesh points and runs the whole
-forward/backward FFT, so mesh memory (``O(M)``) and FFT time
-(``O(M log M)``) do not shrink as ranks are added, and each step all-reduces
-``M`` numbers twice (forward and backward). Only spreading, interpolation and
-the real-space part scale with the number of owned atoms. This is simple and
-exact, and fine while the mesh is small compared with the per-rank particle
-work (up to roughly ``10^6`` mesh points); beyond that it becomes the
-bottleneck of strong scaling.
+Domain decomposition: two ways to share the mesh
+------------------------------------------------
+``mesh="replicated"``: each rank spreads its OWNED charges onto a full-size
+copy of the mesh; ``view.global_sum`` adds the ranks' meshes (an all-reduce
+whose backward all-reduces the mesh gradient); every rank filters the whole
+mesh and interpolates at its owned atoms. Memory ``O(M)`` and FFT
+``O(M log M)`` per rank do not shrink with ranks; two all-reduces of ``M``
+numbers per step.
 
-The path to a distributed FFT: decompose the mesh itself into slabs (1D, up
-to ``n_x`` ranks) or pencils (2D, up to ``n_x n_y`` ranks), as heFFTe, FFTW-MPI
-or P3DFFT do. Each rank then spreads its owned charges onto the mesh points
-inside its region plus an ``order``-wide ghost layer, sends ghost-layer
-contributions to their owners (a halo exchange, like the atoms'), runs local
-1D FFTs with all-to-all transposes between them, multiplies by ``G(m)`` on
-the k-points it owns, transforms back, receives the ghost layer of the
-potential and interpolates at its owned atoms. Memory becomes ``O(M / P)``
-and communication all-to-all of ``O(M / P)`` per rank. Because the
-reciprocal part here is written as spread -> reduce -> filter -> interpolate,
-only the middle steps (today a mesh-wide ``global_sum`` and a local FFT) need
-replacing by a ghost-layer exchange plus such a distributed transform, each
-with its matching backward; the B-spline weights and kernel stay as they are.
+``mesh="distributed"``: ``view.mesh_transform(sizes)`` (see
+:mod:`halopipe.meshfft`) shares the mesh in slabs. Each rank spreads its owned
+charges onto the periodic box of mesh points their B-splines touch (its
+region plus an ``order``-wide ghost layer); the box values go to the slab
+owners and are summed there; the slab FFT (local 1-D FFTs, all-to-all
+transposes) gives each rank its k-points, where ``G(m)`` is applied; the
+inverse comes back to the slabs and each rank reads its box back and
+interpolates at its owned atoms. Every step has its adjoint as backward, so
+energy, forces, stress and ``dE/dq`` equal the replicated mesh to rounding,
+and memory and bytes per rank are ``O(M / P)`` plus the box.
+
+``mesh="auto"`` (the default) uses the distributed mesh from 64^3 points on
+2-3 ranks and from 32^3 on 4 or more (``DISTRIBUTED_MESH_MIN_POINTS``, the
+crossover measured by ``benchmarks/pme_mesh.py``, see docs/benchmarks.md);
+on one process the mesh is always local.
 """
 
 from __future__ import annotations
@@ -65,6 +61,7 @@ import math
 import torch
 from torchpme.lib import KSpaceFilter, KSpaceKernel, MeshInterpolator
 
+from ..meshfft import MeshTransform
 from .base import LocalView, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 from .ewald import SplitCoulomb, accuracy_exponent
@@ -73,6 +70,11 @@ __all__ = ["PME", "mesh_size", "default_mesh_spacing", "bspline_influence"]
 
 _MAX_ORDER = 5  # torch-pme's B-spline ("P3M") interpolator supports orders 1..5
 _MIN_ORDER = 3  # orders 1-2 give discontinuous forces and need absurdly fine meshes
+_MESH_MODES = ("auto", "replicated", "distributed")
+# PME(mesh="auto") crossover by number of ranks sharing the mesh, measured with benchmarks/pme_mesh.py
+# (docs/benchmarks.md): on 2 ranks the distributed mesh sends slightly more bytes than the all-reduce and
+# saves memory and time from 64^3; on 4 or more it sends fewer bytes and uses less memory from 32^3.
+DISTRIBUTED_MESH_MIN_POINTS = {2: 64**3, 4: 32**3}
 _MAX_MESH_POINTS = 1 << 26  # 0.5 GiB per float64 mesh: beyond it, ask for a coarser setting
 
 
@@ -177,6 +179,12 @@ class PME(SplitCoulomb):
         touches), 3 to 5. 5, LAMMPS's PPPM default, needs about 2.5x fewer
         points per axis than 4 (GROMACS's default) at ``accuracy`` 1e-5.
     alpha : splitting parameter override, 1/Å.
+    mesh : how the mesh is shared between ranks: ``"replicated"`` (every rank
+        holds the whole mesh; one all-reduce of it), ``"distributed"`` (slabs
+        of the mesh per rank, FFT with all-to-all transposes; memory
+        ``O(M / P)``) or ``"auto"`` (distributed when the ranks sharing the
+        mesh and its size pass the measured ``DISTRIBUTED_MESH_MIN_POINTS``
+        crossover). The two give the same result to rounding.
 
     Accuracy and LAMMPS
     -------------------
@@ -205,8 +213,12 @@ class PME(SplitCoulomb):
         mesh_size: tuple[int, int, int] | None = None,
         order: int = 5,
         alpha: float | None = None,
+        mesh: str = "auto",
     ) -> None:
         super().__init__(cutoff, accuracy, alpha, None)
+        if mesh not in _MESH_MODES:
+            raise ValueError(f"PME: mesh must be one of {_MESH_MODES}, got {mesh!r}")
+        self.mesh_mode = mesh
         if order not in range(_MIN_ORDER, _MAX_ORDER + 1):
             raise ValueError(f"PME: order must be {_MIN_ORDER}..{_MAX_ORDER} (B-spline points per axis), got {order}; 4 is usual")
         if mesh_size is not None:
@@ -251,6 +263,27 @@ class PME(SplitCoulomb):
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
         sizes = self.mesh(view.cell)
+        transform = view.mesh_transform(sizes) if view.mesh_transform is not None else None
+        if transform is not None and self._distributes(transform):
+            return self._reciprocal_distributed(view, q_owned, transform)
+        return self._reciprocal_replicated(view, q_owned, sizes)
+
+    def _distributes(self, transform: MeshTransform) -> bool:
+        """Whether this evaluation uses the distributed mesh (see ``mesh`` in the class docstring)."""
+        if self.mesh_mode == "auto":
+            thresholds = [points for ranks, points in DISTRIBUTED_MESH_MIN_POINTS.items() if transform.parts >= ranks]
+            return bool(thresholds) and math.prod(transform.sizes) >= min(thresholds)
+        return self.mesh_mode == "distributed"
+
+    def _influence_at(self, m0: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, sizes, dtype, device) -> torch.Tensor:
+        """``1 / |b(m)|^2`` at the integer frequencies ``m0, m1, m2`` (broadcast)."""
+        b0 = bspline_influence(sizes[0], self.order, False, dtype, device)[m0 % sizes[0]]
+        b1 = bspline_influence(sizes[1], self.order, False, dtype, device)[m1 % sizes[1]]
+        b2 = bspline_influence(sizes[2], self.order, True, dtype, device)[m2]
+        return b0 * b1 * b2
+
+    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
         kfilter = self._filter(view.cell, sizes)
         interpolator = MeshInterpolator(
             view.cell, torch.tensor(sizes, device=view.cell.device), interpolation_nodes=self.order, method="P3M"
@@ -259,6 +292,20 @@ class PME(SplitCoulomb):
         # Owned charges only; the sum over ranks completes the mesh charge.
         rho = view.global_sum(interpolator.points_to_mesh(q_owned[:, None]))
         phi = interpolator.mesh_to_points(kfilter(rho))[:, 0]
+        return 0.5 * q_owned * phi
+
+    def _reciprocal_distributed(self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+        """Spread onto this rank's support box, FFT over the ranks' slabs, filter owned k-points, interpolate back."""
+        cell, sizes = view.cell, transform.sizes
+        stencil = _Stencil(cell, view.positions[: view.n_owned], sizes, self.order)
+        boxmap = transform.boxes(stencil.lo, stencil.extent)
+        spectrum = transform.forward(boxmap.to_mesh(stencil.spread(q_owned)))
+        m0, m1, m2 = transform.frequencies(cell.device)
+        reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
+        k = m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
+        influence = self._influence_at(m0, m1, m2, sizes, cell.dtype, cell.device)
+        kernel = _SPMEKernel(self.alpha, torch.linalg.det(cell).abs(), influence).kernel_from_k_sq((k * k).sum(-1))
+        phi = stencil.interpolate(boxmap.from_mesh(transform.inverse(spectrum * kernel)))
         return 0.5 * q_owned * phi
 
 
@@ -274,3 +321,60 @@ def _influence(sizes: tuple[int, int, int], order: int, dtype: torch.dtype, devi
         * bspline_influence(sizes[1], order, False, dtype, device)[None, :, None]
         * bspline_influence(sizes[2], order, True, dtype, device)[None, None, :]
     )
+
+
+def _periodic_cover(first: torch.Tensor, n: int, order: int) -> tuple[int, int]:
+    """Shortest periodic interval ``(start, length)`` of an ``n``-point axis holding ``[f, f + order)`` for every ``f``.
+
+    The interval starts after the largest gap between the occupied first
+    points (taken around the circle); if it would cover the axis, the whole axis.
+    """
+    if first.numel() == 0:
+        return 0, 0
+    points = torch.unique(first)  # sorted
+    gaps = torch.diff(points, append=points[:1] + n)  # gap after each point, the last one wrapping around
+    widest = int(torch.argmax(gaps))
+    length = n - int(gaps[widest]) + order
+    if length >= n:
+        return 0, n
+    return int(points[(widest + 1) % points.numel()]), length
+
+
+class _Stencil:
+    """The B-spline support of a set of atoms, as one periodic box of mesh points.
+
+    Weights are torch-pme's ``P3M`` B-splines (the replicated path's), so both
+    paths spread identical values. ``lo`` / ``extent`` describe the smallest
+    box (per axis, wrapping periodically) holding every atom's ``order``
+    support points; an axis the atoms span entirely becomes the whole axis.
+    Its cost is one sort per axis of the atoms' first support points.
+    """
+
+    def __init__(self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int) -> None:
+        n, device = positions.shape[0], cell.device
+        ns = torch.tensor(sizes, device=device)
+        interpolator = MeshInterpolator(cell, ns, interpolation_nodes=order, method="P3M")
+        interpolator.compute_weights(positions)
+        weights = interpolator.interpolation_weights  # (order, n, 3), differentiable
+        # The same first support point as torch-pme's, but not wrapped into the mesh.
+        relative = (ns * torch.matmul(positions, interpolator.inverse_cell)).detach()
+        nearest = torch.floor(relative) if order % 2 == 0 else torch.round(relative)
+        first = nearest.long() + (1 - (order + 1) // 2)
+        boxes = [_periodic_cover(first[:, d] % int(sizes[d]), int(sizes[d]), order) for d in range(3)]
+        self.lo, self.extent = tuple(b[0] for b in boxes), tuple(b[1] for b in boxes)
+        lo = torch.tensor(self.lo, device=device)
+        steps = torch.arange(order, device=device)
+        local = (first[:, None, :] + steps[None, :, None] - lo) % ns  # (n, order, 3) box indices
+        e1, e2 = self.extent[1], self.extent[2]
+        self.flat = ((local[:, :, None, None, 0] * e1 + local[:, None, :, None, 1]) * e2 + local[:, None, None, :, 2]).reshape(n, -1)
+        w = weights.permute(1, 0, 2)  # (n, order, 3)
+        self.weights = (w[:, :, None, None, 0] * w[:, None, :, None, 1] * w[:, None, None, :, 2]).reshape(n, -1)
+
+    def spread(self, q: torch.Tensor) -> torch.Tensor:
+        """The box of mesh charges of these atoms."""
+        box = q.new_zeros(math.prod(self.extent))
+        return box.index_add(0, self.flat.reshape(-1), (q[:, None] * self.weights).reshape(-1)).reshape(self.extent)
+
+    def interpolate(self, box: torch.Tensor) -> torch.Tensor:
+        """A box of mesh values interpolated at the atoms."""
+        return (box.reshape(-1)[self.flat] * self.weights).sum(dim=1)

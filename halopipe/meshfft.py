@@ -1,0 +1,129 @@
+"""Mesh transforms: the 3-D real FFT of a particle-mesh model, on one process or spread over ranks.
+
+A particle-mesh model (PME) needs three things from the mesh, and a
+:class:`MeshTransform` offers them without the model seeing ranks:
+
+* :meth:`MeshTransform.boxes` takes the box of mesh points this process's
+  atoms touch (any origin, wrapping periodically) and returns a
+  :class:`BoxMap` whose ``to_mesh`` adds box values into the mesh (each
+  point's contributions summed at its owner) and whose ``from_mesh`` reads
+  the mesh at the box points. Each is the other's adjoint, so both are
+  differentiable.
+* :meth:`MeshTransform.forward` / :meth:`MeshTransform.inverse`: the unscaled
+  real-to-complex 3-D DFT of the part of the mesh this process holds, and its
+  unscaled inverse, returning / taking the k-points this process owns.
+* :meth:`MeshTransform.frequencies`: the signed integer frequencies of those
+  owned k-points, so a kernel ``G(k)`` is evaluated only there.
+
+:class:`LocalMeshTransform` is the single-process implementation: the whole
+mesh, ``torch.fft.rfftn``. The distributed slab transform
+(``halopipe.distributed.fft.SlabMeshTransform``) implements the same
+interface with mesh slabs per rank and all-to-all transposes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["MeshTransform", "BoxMap", "LocalMeshTransform", "signed_frequencies", "box_flat_index"]
+
+
+def signed_frequencies(n: int, device=None) -> torch.Tensor:
+    """Integer frequencies ``0, 1, ..., -1`` of an ``n``-point DFT in FFT order."""
+    m = torch.arange(n, device=device)
+    return torch.where(m < (n + 1) // 2, m, m - n)  # torch.fft.fftfreq(n) * n: the Nyquist point of even n is -n/2
+
+
+def box_flat_index(lo: tuple[int, int, int], extent: tuple[int, int, int], sizes, first_axis: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat index into a ``sizes`` mesh (or slab rows ``first_axis``) of every point of a periodic box.
+
+    The box starts at integer mesh index ``lo`` (any integer: it wraps) and
+    spans ``extent`` points per axis (at most the mesh size). Returns a
+    tensor of shape ``extent`` (or ``(len(first_axis),) + extent[1:]``).
+    """
+    n0, n1, n2 = (int(s) for s in sizes)
+    g0 = (lo[0] + torch.arange(extent[0])) % n0 if first_axis is None else first_axis
+    g1 = (lo[1] + torch.arange(extent[1])) % n1
+    g2 = (lo[2] + torch.arange(extent[2])) % n2
+    return (g0[:, None, None] * n1 + g1[None, :, None]) * n2 + g2[None, None, :]
+
+
+class BoxMap:
+    """Adds a periodic box of mesh values into the mesh, and reads it back (adjoint pair)."""
+
+    def to_mesh(self, box: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """Sum the box's values into this process's part of the mesh (differentiable)."""
+        raise NotImplementedError
+
+    def from_mesh(self, mesh: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """The mesh's values at the box points, shape ``extent`` (differentiable)."""
+        raise NotImplementedError
+
+
+class MeshTransform:
+    """Interface of a (possibly distributed) 3-D real FFT on a periodic mesh of ``sizes``.
+
+    Attributes
+    ----------
+    sizes : mesh points per axis.
+    parts : number of processes sharing the mesh (1 for the local transform).
+    """
+
+    sizes: tuple[int, int, int]
+    parts: int = 1
+
+    def boxes(self, lo: tuple[int, int, int], extent: tuple[int, int, int]) -> BoxMap:  # pragma: no cover - interface
+        """The map between this process's box and the mesh (collective when distributed)."""
+        raise NotImplementedError
+
+    def forward(self, mesh: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """Unscaled real-to-complex DFT; returns the owned k-points."""
+        raise NotImplementedError
+
+    def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        """Unscaled complex-to-real inverse DFT of the owned k-points; returns this process's mesh part."""
+        raise NotImplementedError
+
+    def frequencies(self, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover - interface
+        """Signed integer frequencies of the owned k-points, broadcastable to the spectrum's shape."""
+        raise NotImplementedError
+
+
+class _LocalBoxMap(BoxMap):
+    def __init__(self, lo, extent, sizes) -> None:
+        self.sizes = tuple(int(s) for s in sizes)
+        self.extent = tuple(int(e) for e in extent)
+        self.flat = box_flat_index(lo, extent, sizes)
+
+    def to_mesh(self, box: torch.Tensor) -> torch.Tensor:
+        flat = self.flat.to(box.device).reshape(-1)
+        mesh = box.new_zeros(math.prod(self.sizes))
+        return mesh.index_add(0, flat, box.reshape(-1)).reshape(self.sizes)
+
+    def from_mesh(self, mesh: torch.Tensor) -> torch.Tensor:
+        return mesh.reshape(-1)[self.flat.to(mesh.device).reshape(-1)].reshape(self.extent)
+
+
+class LocalMeshTransform(MeshTransform):
+    """The whole mesh in one process: ``torch.fft.rfftn`` and ``irfftn``."""
+
+    def __init__(self, sizes) -> None:
+        self.sizes = tuple(int(s) for s in sizes)
+
+    def boxes(self, lo, extent) -> BoxMap:
+        return _LocalBoxMap(lo, extent, self.sizes)
+
+    def forward(self, mesh: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfftn(mesh, dim=(0, 1, 2), norm="backward")
+
+    def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:
+        return torch.fft.irfftn(spectrum, s=self.sizes, dim=(0, 1, 2), norm="forward")
+
+    def frequencies(self, device=None):
+        n0, n1, n2 = self.sizes
+        m0 = signed_frequencies(n0, device)[:, None, None]
+        m1 = signed_frequencies(n1, device)[None, :, None]
+        m2 = torch.arange(n2 // 2 + 1, device=device)[None, None, :]
+        return m0, m1, m2

@@ -1,0 +1,175 @@
+"""Functions run on spawned ranks by the distributed FFT tests (importable by child processes)."""
+
+from __future__ import annotations
+
+import torch
+
+from halopipe.distributed import Comm
+from halopipe.distributed.fft import SlabMeshTransform
+
+
+def _full(sizes, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sizes, generator=g, dtype=torch.float64)
+
+
+def _box(rank: int, sizes) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """A deterministic box per rank: negative or positive origin, partial or full extents."""
+    g = torch.Generator().manual_seed(100 + rank)
+    lo = tuple(int(v) for v in torch.randint(-7, 7, (3,), generator=g))
+    extent = tuple(int(min(n, v)) for n, v in zip(sizes, torch.randint(1, 9, (3,), generator=g)))
+    if rank % 3 == 2:  # one box spans a whole axis
+        lo, extent = (0,) + lo[1:], (sizes[0],) + extent[1:]
+    return lo, extent, torch.randn(extent, generator=g, dtype=torch.float64)
+
+
+def _reference_loss(full: torch.Tensor, weight: torch.Tensor, kernel: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    """A nonlinear functional of the transform and its inverse, on the full mesh with torch.fft."""
+    spec = torch.fft.rfftn(full, dim=(0, 1, 2))
+    back = torch.fft.irfftn(spec * kernel, s=full.shape, dim=(0, 1, 2), norm="forward")
+    return (weight * spec.abs() ** 2).sum() + (probe * back**2).sum()
+
+
+def fft_case(sizes) -> dict:
+    """Errors of the slab transform (values, inverse, gradients) against torch.fft on the full mesh."""
+    comm = Comm()
+    t = SlabMeshTransform(comm, sizes)
+    full = _full(sizes, 1)
+    h = sizes[2] // 2 + 1
+    weight, kernel, probe = _full((sizes[0], sizes[1], h), 2), _full((sizes[0], sizes[1], h), 3), _full(sizes, 4)
+    c, d = t.own_rows
+    a, b = t.own_planes
+
+    slab = full[a:b].clone().requires_grad_(True)
+    spec = t.forward(slab)
+    back_plain = t.inverse(spec)
+    back = t.inverse(spec * kernel[:, c:d])
+    share = (weight[:, c:d] * spec.abs() ** 2).sum() + (probe[a:b] * back**2).sum()
+    (grad,) = torch.autograd.grad(share, slab)
+    total = comm.all_reduce(share.detach())
+
+    ref_full = full.clone().requires_grad_(True)
+    ref_loss = _reference_loss(ref_full, weight, kernel, probe)
+    (ref_grad,) = torch.autograd.grad(ref_loss, ref_full)
+    ref_spec = torch.fft.rfftn(full, dim=(0, 1, 2))
+    scale = float(ref_spec.abs().max())
+    return {
+        "shape": tuple(spec.shape),
+        "spectrum": float((spec.detach() - ref_spec[:, c:d]).abs().max()) / scale if spec.numel() else 0.0,
+        "roundtrip": float((back_plain - full[a:b] * full.numel()).abs().max()) / full.numel() if back_plain.numel() else 0.0,
+        "loss_rel": abs(float(total) - float(ref_loss)) / abs(float(ref_loss)),
+        "grad_rel": float((grad - ref_grad[a:b]).abs().max()) / float(ref_grad.abs().max()) if grad.numel() else 0.0,
+        "bytes_sent": comm.bytes_sent,
+    }
+
+
+def box_case(sizes) -> dict:
+    """Errors of the box <-> slab maps against a full-mesh periodic sum; gradients via autograd."""
+    comm = Comm()
+    t = SlabMeshTransform(comm, sizes)
+    a, b = t.own_planes
+    boxes = [_box(r, sizes) for r in range(comm.size)]
+    lo, extent, values = boxes[comm.rank]
+    weight = _full(sizes, 5)
+
+    box = values.clone().requires_grad_(True)
+    boxmap = t.boxes(lo, extent)
+    slab = boxmap.to_mesh(box)
+    read = boxmap.from_mesh(slab * weight[a:b])
+    share = (read**2).sum()
+    (grad,) = torch.autograd.grad(share, box)
+    total = comm.all_reduce(share.detach())
+
+    # Reference: every box added into the full periodic mesh, then read back, on one process.
+    leaves = [v.clone().requires_grad_(True) for _, _, v in boxes]
+    full = torch.zeros(sizes, dtype=torch.float64)
+    for (blo, bext, _), leaf in zip(boxes, leaves):
+        idx = [(blo[k] + torch.arange(bext[k])) % sizes[k] for k in range(3)]
+        full = full.index_put((idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :]), leaf, accumulate=True)
+    ref_total = 0.0
+    for blo, bext, _ in boxes:
+        idx = [(blo[k] + torch.arange(bext[k])) % sizes[k] for k in range(3)]
+        ref_total = ref_total + ((full * weight)[idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :]] ** 2).sum()
+    ref_grad = torch.autograd.grad(ref_total, leaves)[comm.rank]
+    return {
+        "slab": float((slab.detach() - full.detach()[a:b]).abs().max()) if slab.numel() else 0.0,
+        "loss_rel": abs(float(total) - float(ref_total)) / abs(float(ref_total)),
+        "grad_rel": float((grad - ref_grad).abs().max()) / float(ref_grad.abs().max()),
+    }
+
+
+def run_fft_cases(cases: list) -> list:
+    return [fft_case(sizes) for sizes in cases] + [box_case(sizes) for sizes in cases]
+
+
+# ----------------------------------------------------------------- PME on slabs
+def _pme_pipelines(mode: str, sizes, config) -> dict:
+    from halopipe import ChargeModel, Group, Pipeline, Step
+    from halopipe.models.pme import PME
+
+    def pme():
+        return PME(cutoff=6.0, accuracy=1e-6, mesh_size=sizes, order=4, mesh=mode)
+
+    return {
+        "fixed_charges": Pipeline([Group([Step(pme())], autograd=True)], config=config),
+        # Charges that depend on positions: forces then include dE/dq * dq/dr, so they test dE/dq.
+        "charge_model": Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(pme())], autograd=True)], config=config),
+    }
+
+
+def pme_case(grid, sizes) -> dict | None:
+    """Distributed-mesh PME under domain decomposition vs the replicated mesh on one process."""
+    from halopipe.distributed import DomainConfig, ShardedSystem
+
+    from ._workers import make_system, rank
+
+    system = make_system("triclinic")
+    config = DomainConfig(grid=grid, timeout=60)
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+    gathered = {}
+    for name, pipeline in _pme_pipelines("distributed", sizes, config).items():
+        out = pipeline(sharded, stress=True)
+        gathered[name] = (out, sharded.gather(out["forces"]))
+    if rank() != 0:
+        return None
+    result = {}
+    for name, pipeline in _pme_pipelines("replicated", sizes, config).items():
+        out, forces = gathered[name]
+        ref = pipeline(system, stress=True, decompose=False)
+        result[name] = {
+            "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
+            "force": float((forces - ref["forces"]).abs().max()),
+            "stress": float((out["stress"] - ref["stress"]).abs().max()),
+        }
+    return result
+
+
+def run_pme_cases(cases: list) -> list:
+    return [pme_case(**case) for case in cases]
+
+
+# ------------------------------------------------------------------ gathers
+def gather_case() -> dict:
+    """Gathers to rank 0 and to every rank against the scattered system; bytes each rank sends."""
+    from halopipe.distributed import DomainConfig, ShardedSystem
+
+    from ._workers import make_system, rank
+
+    system = make_system("triclinic")
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(timeout=60))
+    sent0 = sharded.comm.bytes_sent
+    to_root = sharded.gather(sharded.positions, root=0)
+    sent = sharded.comm.bytes_sent - sent0
+    everywhere = sharded.gather(sharded.fields["charges"])
+    whole = sharded.to_system(root=0)
+    out = {
+        "root_is_none": to_root is None and whole is None,
+        "everywhere": float((everywhere - system.fields["charges"]).abs().max()),
+        "sent": sent,
+        "owned": sharded.n_owned,
+    }
+    if rank() == 0:
+        out["root"] = float((to_root - system.positions).abs().max())
+        out["numbers_equal"] = bool((whole.numbers == system.numbers).all())
+        out["masses"] = float((whole.masses - system.masses).abs().max())
+    return out
