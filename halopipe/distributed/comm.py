@@ -31,6 +31,7 @@ local, so the same code serves single-process use.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import queue
@@ -44,6 +45,7 @@ __all__ = ["Comm", "DistributedError", "GlobalSum"]
 
 POLL_SECONDS = 0.05  # a wait longer than this checks the store for peer failures, then every POLL_SECONDS
 REPORT_GRACE_SECONDS = 1.0  # after a communication error, how long to look for a peer's reported cause
+TOLD_WAIT_SECONDS = 3.0  # how long a rank that read a peer's report stays for the others to read it
 CONNECT_SECONDS = 300.0  # how long creating a group waits for the other ranks (operations then use the timeout)
 
 
@@ -341,10 +343,23 @@ class Comm:
                         if r != self.rank and self._store.check([key]):
                             message = self._store.get(key).decode()
                             self._count_as_told()
+                            self._await_everyone_told(min(self.timeout, TOLD_WAIT_SECONDS))
                             return DistributedError(f"{message} (reported on rank {self.rank})", rank=r)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(POLL_SECONDS)
+
+    def _await_everyone_told(self, limit: float) -> None:
+        """Stay (at most ``limit`` s) until every rank has read the report.
+
+        The rendezvous store may live in this process (rank 0 of a spawned
+        group): leaving at once, as a failed rank does, would take the report
+        away from ranks that have not read it yet.
+        """
+        deadline = time.monotonic() + limit
+        with contextlib.suppress(Exception):  # a store that is gone has nobody left to serve
+            while self._store.add(f"{self._prefix}/told", 0) < self.size and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def _count_as_told(self) -> None:
         if not self._shared.told:
@@ -370,34 +385,52 @@ class _P2PWaiter:
     """One daemon thread per process that waits on point-to-point works for the main thread.
 
     A waiter stuck on works abandoned after a peer's failure is left to the
-    group's timeout; the next submission starts a fresh one.
+    group's timeout; the next submission starts a fresh one. At interpreter
+    exit the waiter is stopped and joined (``atexit``) and it never keeps a
+    finished work alive: a thread still holding gloo objects while the
+    process tears them down can abort it ("terminate called without an
+    active exception").
     """
 
     jobs: queue.SimpleQueue | None = None
+    thread: threading.Thread | None = None
 
     @classmethod
     def submit(cls, works, timeout: datetime.timedelta) -> _Job:
         if cls.jobs is None:
             cls.jobs = queue.SimpleQueue()
-            threading.Thread(target=cls._serve, args=(cls.jobs,), name="halopipe-p2p-waiter", daemon=True).start()
+            cls.thread = threading.Thread(target=cls._serve, args=(cls.jobs,), name="halopipe-p2p-waiter", daemon=True)
+            cls.thread.start()
         job = _Job(works, timeout)
         cls.jobs.put(job)
         return job
 
     @classmethod
     def abandon(cls) -> None:
-        cls.jobs = None
+        cls.jobs = cls.thread = None
+
+    @classmethod
+    def stop(cls) -> None:
+        """End the waiter thread if it is idle (called at exit)."""
+        if cls.jobs is not None and cls.thread is not None:
+            cls.jobs.put(None)
+            cls.thread.join(timeout=5.0)
+        cls.abandon()
 
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
-        while True:
-            job = jobs.get()
+        while (job := jobs.get()) is not None:
             try:
                 for work in job.works:
                     work.wait(timeout=job.timeout)  # else send/recv would wait the group's (longer) connect timeout
             except Exception as exc:
                 job.error = exc
+            job.works = work = None  # release the works now, not when the next job arrives
             job.set()
+            job = None
+
+
+atexit.register(_P2PWaiter.stop)
 
 
 class _SharedGroup:
