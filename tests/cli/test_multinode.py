@@ -74,11 +74,6 @@ def test_run_with_two_launchers(tmp_path):
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 6
 
 
-@pytest.mark.xfail(
-    reason="since merging main at 88f65a1 (polled Comm), a verify worker aborts (SIGABRT) at exit after printing OK "
-    "under two launchers; passed before that merge; left to the Comm-lifetime work",
-    strict=False,
-)
 @pytest.mark.timeout(600)
 def test_verify_with_two_launchers(tmp_path):
     cfg = write_tiny(tmp_path / "tiny.yaml")
