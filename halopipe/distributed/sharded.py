@@ -112,7 +112,8 @@ class ShardedSystem(Domain):
         ``root=None`` on every rank: gathered to rank 0, then broadcast.
         """
         # ids travel with the rows (float64 holds integers exactly up to 2**53), so root can put rows in order.
-        packed = torch.cat([self.ids[:, None].to(torch.float64), x.detach().reshape(x.shape[0], -1).to(torch.float64)], dim=1)
+        width = math.prod(x.shape[1:])  # explicit: a rank without atoms has no rows to infer it from
+        packed = torch.cat([self.ids[:, None].to(torch.float64), x.detach().reshape(x.shape[0], width).to(torch.float64)], dim=1)
         rows = self.comm.gather_rows(packed, 0 if root is None else root)
         full = None
         if rows is not None:

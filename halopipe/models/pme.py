@@ -366,9 +366,9 @@ class _Stencil:
         steps = torch.arange(order, device=device)
         local = (first[:, None, :] + steps[None, :, None] - lo) % ns  # (n, order, 3) box indices
         e1, e2 = self.extent[1], self.extent[2]
-        self.flat = ((local[:, :, None, None, 0] * e1 + local[:, None, :, None, 1]) * e2 + local[:, None, None, :, 2]).reshape(n, -1)
+        self.flat = ((local[:, :, None, None, 0] * e1 + local[:, None, :, None, 1]) * e2 + local[:, None, None, :, 2]).reshape(n, order**3)
         w = weights.permute(1, 0, 2)  # (n, order, 3)
-        self.weights = (w[:, :, None, None, 0] * w[:, None, :, None, 1] * w[:, None, None, :, 2]).reshape(n, -1)
+        self.weights = (w[:, :, None, None, 0] * w[:, None, :, None, 1] * w[:, None, None, :, 2]).reshape(n, order**3)
 
     def spread(self, q: torch.Tensor) -> torch.Tensor:
         """The box of mesh charges of these atoms."""
