@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 
@@ -17,7 +18,8 @@ def warp_module():
     try:
         import warp as wp
 
-        wp.config.quiet = True
+        # Warp's start-up banner, module-load lines and its "no CUDA driver" note are noise in a CPU run of N ranks.
+        wp.config.log_level = logging.ERROR
         wp.init()
     except Exception as exc:  # any failure to load means the torch fallback, never a crash
         warnings.warn(f"halopipe: NVIDIA Warp unavailable ({exc}); pair kernels run in eager torch", stacklevel=2)
