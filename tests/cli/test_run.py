@@ -15,19 +15,16 @@ from halopipe.config import load_config, parse_config
 from halopipe.dynamics import load_checkpoint
 from halopipe.dynamics.reporters import THERMO_COLUMNS
 
-from ._helpers import ROOT, halopipe
+from ._helpers import ROOT, TINY, halopipe
 from ._helpers import write_config as write_tiny
 
 CONFIG = {
-    "name": "tiny",
-    "system": {"generator": {"type": "argon", "cells": 2, "rattle": 0.05}, "velocities": {"temperature": 300, "seed": 2}},
-    "models": {"lj": {"type": "LennardJones", "epsilon": 0.0104, "sigma": 3.4, "cutoff": 6.0}},
-    "domain": {"skin": 0.5},
-    "integrator": {"type": "langevin", "timestep": 2.0, "temperature": 300, "friction": 0.02, "seed": 4},
+    **TINY,
     "steps": 30,
     "nproc": 2,
     "outputs": {"thermo_every": 10, "trajectory_every": 10, "checkpoint_every": 20, "progress": True},
 }
+"""``TINY`` run long enough for checkpoints, trajectory frames and the progress bar, on 2 ranks."""
 
 
 def cli(*argv: str) -> int:
