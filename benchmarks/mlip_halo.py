@@ -102,59 +102,70 @@ def amorphous(n_atoms: int, density: float = 0.1, seed: int = 0):
     return Atoms(numbers=rng.choice(SPECIES, n), scaled_positions=frac, cell=np.eye(3) * length, pbc=True)
 
 
-def distributed_case(n_atoms: int, repeats: int, mace_mode: str, halo: str, channels: int, max_ell: int) -> dict:
-    from halopipe import DFTD3, MACE, Group, Pipeline, Step, System
-    from halopipe.distributed import DomainConfig, ShardedSystem
+def decomposed_case(system_of, mlip, mlip_name: str, d3, halo: str, repeats: int) -> dict:
+    """MLIP + D3 as one autograd group on the launched ranks: best seconds per E+F+stress evaluation (after one
+    warm-up), the largest rank's MLIP and D3 ghost rows and peak RSS, the energy and the atom count."""
+    from halopipe import DomainConfig, Group, Pipeline, Step, System
+    from halopipe.distributed import ShardedSystem
 
     torch.set_num_threads(1)
-    system = System.from_ase(amorphous(n_atoms)) if rank() == 0 else None
-    pipeline = Pipeline(
-        [
-            Group(
-                [
-                    Step(MACE(build_mace(channels=channels, max_ell=max_ell), halo_mode=mace_mode)),
-                    Step(DFTD3("pbe", cutoff=D3_CUTOFF, cn_cutoff=D3_CN_CUTOFF)),
-                ]
-            )
-        ],
-        config=DomainConfig(skin=0.5, halo=halo, timeout=3600),
-    )
+    system = System.from_ase(system_of()) if rank() == 0 else None
+    pipeline = Pipeline([Group([Step(mlip), Step(d3)])], config=DomainConfig(skin=0.5, halo=halo, timeout=3600))
     sharded = ShardedSystem.scatter(system, pipeline.config)
     pipeline(sharded, stress=True)
     seconds, out = timed(lambda: pipeline(sharded, stress=True), repeats)
-    ghosts = max_over_ranks([float(out["halo"]["MACE"]), float(out["halo"]["DFTD3"])])
+    largest = max_over_ranks([float(out["halo"][mlip_name]), float(out["halo"]["DFTD3"]), peak_rss_gb(), seconds])
     return {
-        "seconds": max_over_ranks([seconds])[0],
-        "mace_ghosts": int(ghosts[0]),
-        "d3_ghosts": int(ghosts[1]),
+        "seconds": largest[3],
+        "mlip_ghosts": int(largest[0]),
+        "d3_ghosts": int(largest[1]),
+        "rss": largest[2],
         "energy": float(out["energy"]),
         "n": sharded.n_total,
     }
 
 
-def baseline(n_atoms: int, repeats: int, channels: int, max_ell: int) -> dict:
-    """mace-torch's calculator + s-dftd3 in one process (1 thread), summed."""
+def calculator_case(atoms, calc, repeats: int, cutoff: float, cn_cutoff: float) -> dict:
+    """An ASE calculator + s-dftd3 (PBE, BJ, no ATM) summed in one process: best seconds per E+F+stress evaluation
+    over ``repeats`` after one warm-up call (as in the decomposed rows)."""
     from ase import units
     from dftd3.interface import DispersionModel, RationalDampingParam
-    from mace.calculators import MACECalculator
 
     torch.set_num_threads(1)
-    atoms = amorphous(n_atoms)
-    calc = MACECalculator(models=build_mace(channels=channels, max_ell=max_ell), default_dtype="float64", device="cpu")
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         t0 = time.perf_counter()
         atoms.calc = calc
         e = atoms.get_potential_energy()
         atoms.get_forces()
         atoms.get_stress()
         disp = DispersionModel(atoms.numbers, atoms.positions / units.Bohr, atoms.cell.array / units.Bohr, np.array([True] * 3))
-        disp.set_realspace_cutoff(D3_CUTOFF / units.Bohr, D3_CUTOFF / units.Bohr, D3_CN_CUTOFF / units.Bohr)
-        res = disp.get_dispersion(RationalDampingParam(method="pbe"), grad=True)
+        disp.set_realspace_cutoff(cutoff / units.Bohr, cutoff / units.Bohr, cn_cutoff / units.Bohr)
+        res = disp.get_dispersion(RationalDampingParam(method="pbe", atm=False), grad=True)
         e += res["energy"] * units.Hartree
         best = min(best, time.perf_counter() - t0)
         calc.reset()
-    return {"seconds": best, "energy": e, "n": len(atoms)}
+    return {"seconds": best, "energy": e, "n": len(atoms), "rss": peak_rss_gb()}
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in kB on Linux
+
+
+def mace_case(n_atoms: int, repeats: int, mace_mode: str, halo: str, channels: int, max_ell: int) -> dict:
+    from halopipe import DFTD3, MACE
+
+    mace = MACE(build_mace(channels=channels, max_ell=max_ell), halo_mode=mace_mode)
+    d3 = DFTD3("pbe", cutoff=D3_CUTOFF, cn_cutoff=D3_CN_CUTOFF)
+    return decomposed_case(lambda: amorphous(n_atoms), mace, "MACE", d3, halo, repeats)
+
+
+def mace_baseline(n_atoms: int, repeats: int, channels: int, max_ell: int) -> dict:
+    """mace-torch's calculator + s-dftd3 in one process (1 thread), summed."""
+    from mace.calculators import MACECalculator
+
+    calc = MACECalculator(models=build_mace(channels=channels, max_ell=max_ell), default_dtype="float64", device="cpu")
+    return calculator_case(amorphous(n_atoms), calc, repeats, D3_CUTOFF, D3_CN_CUTOFF)
 
 
 # ------------------------------------------------------------------------------------------ SevenNet-0
@@ -167,57 +178,20 @@ def bilayer(n_atoms: int):
     return bilayer_li(n_in_plane=n, n_li=max(1, n * n * 4 * 24 // 1024))
 
 
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in kB on Linux
-
-
 def sevennet_case(n_atoms: int, repeats: int, mode: str, halo: str) -> dict:
-    from halopipe import DFTD3, DomainConfig, Group, Pipeline, SevenNet, Step, System
-    from halopipe.distributed import ShardedSystem
+    from halopipe import DFTD3, SevenNet
 
-    torch.set_num_threads(1)
-    system = System.from_ase(bilayer(n_atoms)) if rank() == 0 else None
-    config = DomainConfig(skin=0.5, halo=halo, timeout=3600)
-    pipeline = Pipeline([Group([Step(SevenNet("7net-0", halo_mode=mode, dtype="float32")), Step(DFTD3("pbe"))])], config=config)
-    sharded = ShardedSystem.scatter(system, config)
-    pipeline(sharded, stress=True)
-    seconds, out = timed(lambda: pipeline(sharded, stress=True), repeats)
-    ghosts = max_over_ranks([float(out["halo"]["SevenNet"]), float(out["halo"]["DFTD3"]), peak_rss_gb()])
-    return {
-        "seconds": max_over_ranks([seconds])[0],
-        "mlip_ghosts": int(ghosts[0]),
-        "d3_ghosts": int(ghosts[1]),
-        "rss": ghosts[2],
-        "energy": float(out["energy"]),
-        "n": sharded.n_total,
-    }
+    mlip = SevenNet("7net-0", halo_mode=mode, dtype="float32")
+    return decomposed_case(lambda: bilayer(n_atoms), mlip, "SevenNet", DFTD3("pbe"), halo, repeats)
 
 
 def sevennet_baseline(n_atoms: int, repeats: int) -> dict:
     """sevenn's SevenNetCalculator + s-dftd3 (default cutoffs) in one process (1 thread), summed."""
-    from ase import units
-    from dftd3.interface import DispersionModel, RationalDampingParam
     from sevenn.calculator import SevenNetCalculator
 
     from halopipe.models.dftd3 import DEFAULT_CN_CUTOFF, DEFAULT_CUTOFF
 
-    torch.set_num_threads(1)
-    atoms = bilayer(n_atoms)
-    calc = SevenNetCalculator("7net-0", device="cpu")
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first call warms up, as in the distributed rows
-        t0 = time.perf_counter()
-        atoms.calc = calc
-        e = atoms.get_potential_energy()
-        atoms.get_forces()
-        atoms.get_stress()
-        disp = DispersionModel(atoms.numbers, atoms.positions / units.Bohr, atoms.cell.array / units.Bohr, np.array([True] * 3))
-        disp.set_realspace_cutoff(DEFAULT_CUTOFF / units.Bohr, DEFAULT_CUTOFF / units.Bohr, DEFAULT_CN_CUTOFF / units.Bohr)
-        res = disp.get_dispersion(RationalDampingParam(method="pbe", atm=False), grad=True)
-        e += res["energy"] * units.Hartree
-        best = min(best, time.perf_counter() - t0)
-        calc.reset()
-    return {"seconds": best, "energy": e, "n": len(atoms), "rss": peak_rss_gb()}
+    return calculator_case(bilayer(n_atoms), SevenNetCalculator("7net-0", device="cpu"), repeats, DEFAULT_CUTOFF, DEFAULT_CN_CUTOFF)
 
 
 def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> dict:
@@ -345,19 +319,19 @@ def main() -> None:
         return
     rows = []
     for mode, halo in (tuple(c.split(":")) for c in args.configs):
-        r = spawn(distributed_case, args.nproc, args.atoms, args.repeats, mode, halo, args.channels, args.max_ell, timeout=3600)[0]
+        r = spawn(mace_case, args.nproc, args.atoms, args.repeats, mode, halo, args.channels, args.max_ell, timeout=3600)[0]
         rows.append(
             [
                 f"MACE {mode} + D3, halo={halo}",
                 f"{args.nproc} ranks",
                 r["n"],
-                r["mace_ghosts"],
+                r["mlip_ghosts"],
                 r["d3_ghosts"],
                 f"{r['seconds']:.2f}",
                 f"{r['energy']:.6f}",
             ]
         )
-    b = spawn(baseline, 1, args.atoms, args.repeats, args.channels, args.max_ell, timeout=3600)[0]
+    b = spawn(mace_baseline, 1, args.atoms, args.repeats, args.channels, args.max_ell, timeout=3600)[0]
     rows.append(["MACECalculator + s-dftd3 (summed)", "1 process", b["n"], "-", "-", f"{b['seconds']:.2f}", f"{b['energy']:.6f}"])
     print_table(
         f"MACE ({args.channels}x0e+{args.channels}x1o, max_ell {args.max_ell}, 2 layers, r_max 5 Å) "
