@@ -13,29 +13,43 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "System": "halopipe.system",
-    "Model": "halopipe.models",
-    "ModelOutput": "halopipe.models",
-    "LocalView": "halopipe.models",
-    "LennardJones": "halopipe.models",
-    "DSFCoulomb": "halopipe.models",
-    "ChargeModel": "halopipe.models",
-    "DFTD3": "halopipe.models",
-    "Ewald": "halopipe.models",
-    "PME": "halopipe.models",
-    "MACE": "halopipe.models",
-    "SevenNet": "halopipe.models",
-    "TorchModel": "halopipe.models",
-    "NonFiniteError": "halopipe.models",
-    "Pipeline": "halopipe.pipeline",
-    "Group": "halopipe.pipeline",
-    "Step": "halopipe.pipeline",
-    "DomainConfig": "halopipe.domain",
-    "ShardedSystem": "halopipe.distributed",
-    "DistributedError": "halopipe.distributed",
+_NAMES_BY_MODULE = {
+    "halopipe.system": ["System"],
+    "halopipe.models": [
+        "Model",
+        "ModelOutput",
+        "LocalView",
+        "NonFiniteError",
+        "LennardJones",
+        "DSFCoulomb",
+        "ChargeModel",
+        "DFTD3",
+        "Ewald",
+        "PME",
+        "MACE",
+        "SevenNet",
+        "TorchModel",
+    ],
+    "halopipe.pipeline": ["Pipeline", "Group", "Step"],
+    "halopipe.domain": ["DomainConfig"],
+    "halopipe.testing": ["check_model"],
+    "halopipe.ase": ["Calculator"],
+    "halopipe.distributed": ["ShardedSystem", "DistributedError"],
+    "halopipe.distributed.launch": ["spawn", "SpawnError"],
+    "halopipe.dynamics": [
+        "Simulation",
+        "VelocityVerlet",
+        "Langevin",
+        "NoseHooverChain",
+        "FIRE",
+        "IsotropicMTKNPT",
+        "StochasticCellRescaling",
+        "load_checkpoint",
+    ],
 }
+_EXPORTS = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}
 
+# A literal list, so that static tools read it; tests/test_imports.py checks it names exactly the exports.
 __all__ = [
     "System",
     "Model",
@@ -51,19 +65,42 @@ __all__ = [
     "MACE",
     "SevenNet",
     "TorchModel",
-    "NonFiniteError",
     "Pipeline",
     "Group",
     "Step",
     "DomainConfig",
+    "check_model",
+    "Calculator",
     "ShardedSystem",
     "DistributedError",
+    "spawn",
+    "SpawnError",
+    "Simulation",
+    "VelocityVerlet",
+    "Langevin",
+    "NoseHooverChain",
+    "FIRE",
+    "IsotropicMTKNPT",
+    "StochasticCellRescaling",
+    "load_checkpoint",
     "__version__",
 ]
 
 if TYPE_CHECKING:  # static tools see the eager imports
+    from .ase import Calculator
     from .distributed import DistributedError, ShardedSystem
+    from .distributed.launch import SpawnError, spawn
     from .domain import DomainConfig
+    from .dynamics import (
+        FIRE,
+        IsotropicMTKNPT,
+        Langevin,
+        NoseHooverChain,
+        Simulation,
+        StochasticCellRescaling,
+        VelocityVerlet,
+        load_checkpoint,
+    )
     from .models import (
         DFTD3,
         MACE,
@@ -76,10 +113,12 @@ if TYPE_CHECKING:  # static tools see the eager imports
         Model,
         ModelOutput,
         NonFiniteError,
+        SevenNet,
         TorchModel,
     )
     from .pipeline import Group, Pipeline, Step
     from .system import System
+    from .testing import check_model
 
 
 def __getattr__(name: str):

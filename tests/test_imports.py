@@ -1,5 +1,6 @@
 """The import graph: no cycles, and the core free of halopipe.distributed (scripts/check_imports.py)."""
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,11 @@ def test_checker_reports_core_importing_distributed_and_the_package_init_it_runs
     lines = run(package).stdout.splitlines()
     assert "import cycle: halopipe.distributed -> halopipe.pipeline -> halopipe.domain -> halopipe.distributed" in lines
     assert any(line.startswith("layering: core module halopipe.domain imports halopipe.distributed.partition") for line in lines)
+
+
+def test_top_level_all_names_exactly_the_lazy_exports_and_each_resolves():
+    import halopipe
+
+    assert sorted(halopipe.__all__) == sorted([*halopipe._EXPORTS, "__version__"])
+    for name in halopipe._EXPORTS:
+        assert getattr(halopipe, name) is getattr(importlib.import_module(halopipe._EXPORTS[name]), name)
