@@ -80,6 +80,9 @@ class SystemSpec(Section):
     generator: Generator | None = Field(None, description="built-in system: argon or nacl, or {type: ..., cells: ...}")
     velocities: VelocitiesSpec | None = None
     charges: ElementTable | None = Field(None, description="per-element charges, e (the 'charges' field)")
+    min_distance: NonNegative = Field(
+        0.5, description="closest two atoms may be (images included), Å; nearer contacts stop the run before it starts; 0 disables"
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -95,6 +98,7 @@ class SystemSpec(Section):
         import torch
 
         system = self._read(dtype) if self.file is not None else self.generator.build(dtype)
+        system = system.replace(min_distance=self.min_distance)
         if self.charges is None:
             return system
         from .fields import atomic_numbers_of, element_symbol

@@ -97,6 +97,18 @@ def test_system_from_file_relative_to_config(tmp_path):
     assert torch.allclose(cfg.build_system().positions, torch.tensor(atoms.positions))
 
 
+def test_min_distance_reaches_the_close_contact_check(tmp_path):
+    from ase import Atoms
+
+    Atoms("Ar2", positions=[[0, 0, 0], [0.3, 0, 0]], cell=[8, 8, 8], pbc=True).write(tmp_path / "close.xyz")
+    default = parse_config(config(system={"file": "close.xyz"}), base=tmp_path).build_system()
+    with pytest.raises(ValueError, match="0.3 Å apart, closer than min_distance=0.5"):
+        default.check_close_contacts()
+    lowered = parse_config(config(system={"file": "close.xyz", "min_distance": 0.2}), base=tmp_path).build_system()
+    lowered.check_close_contacts()
+    assert lowered.min_distance == 0.2
+
+
 def test_per_element_charges_feed_a_model_that_needs_them():
     data = config(
         system={"generator": {"type": "argon", "cells": 2}, "charges": {"Ar": 0.25}},
@@ -148,6 +160,7 @@ def test_per_element_charges_feed_a_model_that_needs_them():
         (lambda d: d.update(system={}), "system"),
         (lambda d: d.update(system={"generator": "argon", "index": 0}), "system.index"),
         (lambda d: d.update(system={"generator": "argon", "charges": {"Ar": "x"}}), "system.charges.Ar"),
+        (lambda d: d.update(system={"generator": "argon", "min_distance": -0.1}), "system.min_distance"),
         (lambda d: d.update(groups=[{"steps": ["nope"]}]), "groups[0].steps[0].model"),
         (lambda d: d.update(groups=[{"steps": ["lj"], "autograd": "yes"}]), "groups[0].autograd"),
         (lambda d: d.update(groups=[{"steps": ["lj"]}, {"steps": ["lj"]}]), "groups[1].steps[0].model"),
