@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from halopipe import Pipeline
+from halopipe import Pipeline, System
 from halopipe.distributed import DomainConfig, ShardedSystem
-from halopipe.dynamics import IsotropicMTKNPT, Simulation, StochasticCellRescaling
+from halopipe.dynamics import MTKNPT, AnisotropicCellRescaling, IsotropicMTKNPT, Simulation, StochasticCellRescaling
 
 from ._workers import argon, lj, rank
 
@@ -14,10 +14,29 @@ from ._workers import argon, lj, rank
 TEMPERATURE, PRESSURE, SKIN = 300.0, 500.0, 0.4
 
 
-def npt(timestep: float = 2.0, kind: str = "mtk") -> IsotropicMTKNPT | StochasticCellRescaling:
+# A sheared, stretched start for the anisotropic barostats: the stress is anisotropic, so the cell changes shape.
+SHEAR = ((1.0, 0.0, 0.0), (0.08, 0.97, 0.0), (0.05, 0.04, 1.04))
+
+
+def npt(timestep: float = 2.0, kind: str = "mtk"):
     if kind == "csr":
         return StochasticCellRescaling(timestep, TEMPERATURE, PRESSURE, compressibility=1e-4, taup=200.0, friction=0.01, seed=3)
+    if kind == "csr_tri":
+        return AnisotropicCellRescaling(timestep, TEMPERATURE, PRESSURE, compressibility=1e-4, taup=200.0, friction=0.01, seed=3)
+    if kind == "mtk_tri":
+        return MTKNPT(timestep, TEMPERATURE, PRESSURE, tdamp=50.0, pdamp=200.0)
     return IsotropicMTKNPT(timestep, TEMPERATURE, PRESSURE, tdamp=50.0, pdamp=200.0)
+
+
+def sheared_argon(cells: int = 3) -> System:
+    """The rattled argon box with cell and atoms mapped by :data:`SHEAR` (a triclinic cell)."""
+    start = argon(cells=cells)
+    deform = torch.tensor(SHEAR, dtype=start.cell.dtype)
+    return System(positions=start.positions @ deform, numbers=start.numbers, cell=start.cell @ deform, pbc=start.pbc, masses=start.masses)
+
+
+def start_system(kind: str) -> System:
+    return sheared_argon() if kind.endswith("_tri") else argon(cells=3)
 
 
 def _final(sim: Simulation, owners_before: torch.Tensor) -> dict:
@@ -55,7 +74,7 @@ def npt_run(steps: int, path: str | None = None, restart_from: str | None = None
     if restart_from is not None:
         sim = Simulation.restart(restart_from, potential, npt(kind=kind), checkpoint=path)
     else:
-        sim = Simulation(potential, argon(cells=3) if rank() == 0 else None, npt(kind=kind), checkpoint=path)
+        sim = Simulation(potential, start_system(kind) if rank() == 0 else None, npt(kind=kind), checkpoint=path)
         sim.set_velocities(TEMPERATURE, seed=5)
     before = _owners(sim)
     sim.run(steps - sim.step)
