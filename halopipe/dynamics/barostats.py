@@ -215,10 +215,15 @@ def cell_mask(owner: str, mask) -> tuple[bool, ...]:
 
 
 def kinetic_tensor(md: MDState) -> torch.Tensor:
-    """``sum_i m_i v_i ⊗ v_i`` over all ranks, eV (float64, collective); its trace is twice the kinetic energy."""
+    """``sum_i m_i v_i ⊗ v_i`` over all ranks, eV (float64 on the CPU, collective); its trace is twice the kinetic energy."""
     v = md.velocities.detach().to(torch.float64)
     local = (md.masses.to(torch.float64)[:, None, None] * v[:, :, None] * v[:, None, :]).sum(dim=0) * KINETIC
-    return md.reduce(local.reshape(9)).reshape(3, 3)
+    return md.reduce(local.reshape(9)).reshape(3, 3).cpu()
+
+
+def _host(x: torch.Tensor) -> torch.Tensor:
+    """A small tensor (cell, stress) as float64 on the CPU, where the barostats' 3x3 algebra runs."""
+    return x.detach().to("cpu", torch.float64)
 
 
 def _exprel_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -528,7 +533,7 @@ class MTKNPT(_MTKBase):
         """``p_g += delta * mask ∘ (V (P_virial - P0) + sum m v⊗v + (2K/Nf) 1)``."""
         volume = self._volume(md)
         kinetic = kinetic_tensor(md)
-        force = -volume * md.stress.detach().to(torch.float64) - volume * self._pressure + kinetic
+        force = -volume * _host(md.stress) - volume * self._pressure + kinetic
         force = force + torch.trace(kinetic) / self._dof * torch.eye(3, dtype=torch.float64)
         self.p_g = self.p_g + delta * self._mask * force
 
@@ -541,24 +546,24 @@ class MTKNPT(_MTKBase):
         """Forces and the cell's drag, integrated exactly over ``delta`` in the eigenbasis of ``p_g``."""
         rates, u = self._eigen()
         x = -delta * (rates + float(torch.trace(self.p_g)) / (self._dof * self.barostat_mass))
-        u_md = u.to(md.velocities.dtype)
+        u_md = u.to(md.velocities)
         v, a = md.velocities @ u_md, md.accelerations() @ u_md
-        v = v * torch.exp(x).to(v.dtype) + delta * a * _exprel_tensor(x).to(v.dtype)
+        v = v * torch.exp(x).to(v) + delta * a * _exprel_tensor(x).to(v)
         md.velocities = v @ u_md.T
 
     def _drift(self, md: MDState, delta: float) -> None:
         """Positions and cell stretch by ``expm(delta p_g / W)``; then the new forces and stress."""
         rates, u = self._eigen()
         x = delta * rates
-        u_md = u.to(md.positions.dtype)
+        u_md = u.to(md.positions)
         r, v = md.positions @ u_md, md.velocities @ u_md
-        md.positions = (r * torch.exp(x).to(r.dtype) + delta * v * _exprel_tensor(x).to(r.dtype)) @ u_md.T
+        md.positions = (r * torch.exp(x).to(r) + delta * v * _exprel_tensor(x).to(r)) @ u_md.T
         volume = self._volume(md)
         strain = delta * self.p_g / self.barostat_mass
         deviatoric = self._pressure - self._mean_pressure * torch.eye(3, dtype=torch.float64)
         # Work of the deviatoric target over the drift: V grows as exp(t tr(strain)/delta), so its integral is exact.
         self.deviatoric_work += volume * _exprel(float(torch.trace(strain))) * float((deviatoric * strain).sum())
-        cell = md.sharded.cell.detach().to(torch.float64)
+        cell = _host(md.sharded.cell)
         md.sharded.set_cell((cell @ u) * torch.exp(x) @ u.T)
         md.want_stress = True
         md.compute()
@@ -739,20 +744,20 @@ class AnisotropicCellRescaling(StochasticCellRescaling):
         return float(torch.trace(self._pressure)) / 3.0
 
     def _before_forces(self, md: MDState) -> None:
-        cell = md.sharded.cell.detach().to(torch.float64)
+        cell = _host(md.sharded.cell)
         frame, h = _standard_frame(cell)
         volume = float(torch.linalg.det(h))
         kt = KB * self.temperature
         beta = self.compressibility / BAR_TO_EV_PER_A3  # Å³/eV
-        internal = kinetic_tensor(md) / volume - md.stress.detach().to(torch.float64)
+        internal = kinetic_tensor(md) / volume - _host(md.stress)
         excess = frame.T @ (self._pressure - internal) @ frame - kt / volume * torch.eye(3, dtype=torch.float64)
         noise = _from_voigt(gaussian(self.seed, md.step, torch.zeros(1, dtype=torch.int64), 6, stream=BAROSTAT)[0].tolist())
         rate = beta / (3.0 * self.taup)
         step = self._mask * (-rate * self.timestep * excess + math.sqrt(2.0 * kt * rate * self.timestep / volume) * noise)
         deform = torch.eye(3, dtype=torch.float64) + frame @ step @ frame.T  # 1 + D, in the lab frame (column vectors)
-        forward = deform.T.to(md.positions.dtype)
+        forward = deform.T.to(md.positions)
         md.positions = md.positions @ forward
-        md.velocities = md.velocities @ torch.linalg.inv(deform).T.to(md.velocities.dtype)
+        md.velocities = md.velocities @ torch.linalg.inv(deform).T.to(md.velocities)
         md.sharded.set_cell(cell @ deform.T)
         md.want_stress = True
 
