@@ -714,9 +714,10 @@ class AnisotropicCellRescaling(StochasticCellRescaling):
     never rotates. For a cell with only its diagonal free, the stationary
     distribution of these equations is ``exp[-(E + P0 V)/kT]``, flat in
     ``h_xx, h_yy, h_zz`` (the ``kT/V`` term is the Itô drift of the
-    multiplicative noise: Fokker-Planck equation). With a hydrostatic
-    target and isotropic stress it changes the volume as the isotropic
-    scheme does, to first order in ``dt``.
+    multiplicative noise: Fokker-Planck equation). Its volume noise equals
+    the isotropic scheme's; the drifts differ at order ``kT/V`` (the
+    isotropic scheme's ``kT/V`` acts on the log-volume), an ``O(1/N)``
+    difference of conventions.
     """
 
     name = "anisotropic stochastic cell rescaling NPT (Langevin)"
