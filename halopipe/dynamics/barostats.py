@@ -163,7 +163,7 @@ def target_pressure(owner: str, pressure) -> float | tuple[float, ...]:
     """
     if _is_number(pressure):
         return float(pressure)
-    values = np.asarray(pressure, dtype=object)
+    values = np.asarray(_plain(pressure), dtype=object)
     numeric = values.size > 0 and all(_is_number(v) for v in values.flat)
     if numeric and values.shape == (3, 3):
         if not all(values[i, j] == values[j, i] for i, j in VOIGT):
@@ -175,6 +175,11 @@ def target_pressure(owner: str, pressure) -> float | tuple[float, ...]:
         f"{owner}: pressure must be a finite number of bar, six Voigt components (xx, yy, zz, yz, xz, xy) "
         f"or a symmetric 3x3 matrix of them, got {pressure!r}"
     )
+
+
+def _plain(value):
+    """A tensor or array as nested Python lists (so that its elements are checked as numbers); anything else as is."""
+    return value.tolist() if isinstance(value, (torch.Tensor, np.ndarray)) else value
 
 
 def pressure_tensor(pressure: float | tuple[float, ...]) -> torch.Tensor:
@@ -199,7 +204,7 @@ def cell_mask(owner: str, mask) -> tuple[bool, ...]:
     """
     if mask is None:
         return (True,) * 6
-    values = np.asarray(mask, dtype=object)
+    values = np.asarray(_plain(mask), dtype=object)
     booleans = values.size > 0 and all(isinstance(v, (bool, np.bool_)) for v in values.flat)
     if booleans and values.shape == (3, 3):
         if not all(values[i, j] == values[j, i] for i, j in VOIGT):
