@@ -104,3 +104,34 @@ def strained_forces(system, scales: list, skin: float, model=None) -> list[dict]
             }
         )
     return out if rank() == 0 else []
+
+
+def npt_ewald_run(steps: int) -> dict:
+    """Triclinic MTK on charged, triclinic NaCl (LJ + Ewald); the final state and a fresh evaluation of it (rank 0)."""
+    from halopipe import Ewald, LennardJones
+
+    from ..conftest import triclinic_nacl
+
+    def potential() -> Pipeline:  # LJ with its minimum at the Na-Cl distance keeps the ions apart
+        return Pipeline(
+            [LennardJones(epsilon=0.01, sigma=2.5, cutoff=6.0), Ewald(cutoff=6.0, accuracy=1e-8)], config=DomainConfig(skin=0.5)
+        )
+
+    integrator = MTKNPT(1.0, 300.0, PRESSURE, tdamp=50.0, pdamp=100.0)
+    sim = Simulation(potential(), triclinic_nacl() if rank() == 0 else None, integrator)
+    sim.set_velocities(300.0, seed=2)
+    sim.run(steps)
+    final = sim.system()
+    forces = sim.sharded.gather(sim.md.forces)
+    stress = sim.md.stress
+    if rank() != 0:
+        return {}
+    fresh = potential()(final, stress=True, decompose=False)
+    return {
+        "positions": final.positions.numpy(),
+        "cell": final.cell.numpy().copy(),
+        "forces": forces.numpy(),
+        "stress": stress.numpy(),
+        "fresh_forces": fresh["forces"].numpy(),
+        "fresh_stress": fresh["stress"].numpy(),
+    }

@@ -27,7 +27,8 @@ from halopipe.domain import strain_displacement
 from halopipe.dynamics import MTKNPT, AnisotropicCellRescaling, Simulation, load_checkpoint
 from halopipe.dynamics.units import KB
 
-from ._npt_workers import PRESSURE, TEMPERATURE, npt_run, sheared_argon, strained_forces
+from ..conftest import triclinic_nacl
+from ._npt_workers import PRESSURE, TEMPERATURE, npt_ewald_run, npt_run, sheared_argon, strained_forces
 from ._workers import argon, lj
 
 STEPS, HALF = 200, 90
@@ -182,6 +183,21 @@ def test_rotated_system_follows_the_rotated_trajectory(kind):
     assert np.abs(plain.cell.numpy() - start.cell.numpy()).max() > 0.1, "the cell should change"
     np.testing.assert_allclose(rotated.cell.numpy(), (plain.cell @ rotation).numpy(), rtol=0, atol=1e-9)
     np.testing.assert_allclose(rotated.positions.numpy(), (plain.positions @ rotation).numpy(), rtol=0, atol=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_ewald_follows_the_triclinic_cell_on_two_ranks():
+    # Charged NaCl in a triclinic cell under triclinic MTK: Ewald's k-space must follow the cell at every step, so
+    # the forces and stress of the last step equal a fresh single-process evaluation of the final structure.
+    one = npt_ewald_run(30)
+    two = spawn(npt_ewald_run, 2, 30, timeout=100)[0]
+    start = triclinic_nacl().cell.numpy()
+    assert np.abs(one["cell"] - start).max() > 0.05, "the cell should change"
+    for got in (one, two):
+        np.testing.assert_allclose(got["forces"], got["fresh_forces"], rtol=0, atol=1e-10)
+        np.testing.assert_allclose(got["stress"], got["fresh_stress"], rtol=0, atol=1e-12)
+    assert np.abs(two["positions"] - one["positions"]).max() < 1e-8
+    assert np.abs(two["cell"] - one["cell"]).max() < 1e-8
 
 
 # ------------------------------- uniaxial stress: mechanical equilibrium and fluctuations
