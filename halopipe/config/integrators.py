@@ -5,12 +5,12 @@ Fields are the integrator's constructor parameters; an unset one takes the integ
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field, model_validator
 
 from .errors import ConfigError
-from .fields import Count, Int, NonNegative, Number, Positive, PositiveInt, Section, tagged_union, type_names
+from .fields import Count, Int, NonNegative, Positive, PositiveInt, Section, tagged_union, type_names
 
 __all__ = ["INTEGRATOR_SPECS", "INTEGRATOR_TYPES", "IntegratorEntry", "integrator_class"]
 
@@ -54,14 +54,85 @@ class NoseHooverChainSpec(IntegratorSpec):
     substeps: PositiveInt | None = Field(None, description="thermostat substeps per half step")
 
 
-class IsotropicMTKNPTSpec(IntegratorSpec):
-    """NPT with isotropic cell fluctuations: MTK barostat with Nosé-Hoover chains."""
+def _checked(check):
+    """A before-validator running a barostat's own check, its ValueError becoming a ConfigError at this key."""
+
+    def validate(value):
+        from ..dynamics import barostats
+
+        try:
+            return check(barostats, value)
+        except ValueError as exc:
+            raise ConfigError("", str(exc).split(": ", 1)[-1]) from exc
+
+    return BeforeValidator(validate)
+
+
+def _pressure(barostats, value):
+    target = barostats.target_pressure("pressure", value)
+    return target if isinstance(target, float) else list(target)
+
+
+PressureValue = Annotated[float | list[float], _checked(_pressure)]
+"""A number of bar, or a pressure tensor: six Voigt components or a symmetric 3x3 matrix (stored in Voigt form)."""
+MaskValue = Annotated[list[bool], _checked(lambda barostats, value: list(barostats.cell_mask("mask", value)))]
+"""Six Voigt booleans or a symmetric 3x3 boolean matrix (stored in Voigt form)."""
+
+_PRESSURE_HELP = (
+    "target pressure, bar (1 bar = 1e-4 GPa): a number (hydrostatic) or, with coupling anisotropic or triclinic, a pressure "
+    "tensor (positive compresses; the negative of ASE's stress) as six Voigt components [xx, yy, zz, yz, xz, xy] or a 3x3 matrix"
+)
+_COUPLING_HELP = (
+    "isotropic (default): the volume changes, the shape is kept; anisotropic: the three Cartesian lengths change independently, "
+    "no shear (LAMMPS aniso); triclinic: all six components of the cell (LAMMPS tri), restricted by mask"
+)
+_MASK_HELP = (
+    "which cell components may change, six booleans [xx, yy, zz, yz, xz, xy] or a 3x3 matrix (true: free); "
+    "default: xx yy zz for anisotropic, all for triclinic; e.g. [false, false, true, false, false, false]: only z"
+)
+_NO_SHEAR = [True, True, True, False, False, False]
+
+
+class _BarostatSpec(IntegratorSpec):
+    """An NPT integrator with an isotropic class and an anisotropic one, chosen by ``coupling``."""
+
+    anisotropic_class_name: ClassVar[str]
+    selectors: ClassVar[tuple[str, ...]] = ("coupling",)
+    """Fields that choose the class instead of being passed to it."""
+
+    @model_validator(mode="after")
+    def _coupling_allows(self):
+        if self.coupling in (None, "isotropic"):
+            if self.mask is not None:
+                raise ConfigError("mask", "a cell mask needs coupling: anisotropic or triclinic (isotropic changes the volume only)")
+            if isinstance(self.pressure, list):
+                raise ConfigError("pressure", "a pressure tensor needs coupling: anisotropic or triclinic; give one number for isotropic")
+        if self.coupling == "anisotropic" and self.mask is not None and any(self.mask[3:]):
+            raise ConfigError("mask", "anisotropic coupling keeps the shear (yz, xz, xy) fixed; use coupling: triclinic to free it")
+        return self
+
+    def build(self):
+        from .. import dynamics
+
+        values = self.model_dump(exclude={"type", *self.selectors}, exclude_none=True)
+        if self.coupling in (None, "isotropic"):
+            return integrator_class(self.type)(**values)
+        if self.coupling == "anisotropic":
+            values.setdefault("mask", _NO_SHEAR)
+        return getattr(dynamics, self.anisotropic_class_name)(**values)
+
+
+class IsotropicMTKNPTSpec(_BarostatSpec):
+    """NPT with MTK barostat and Nosé-Hoover chains: isotropic, anisotropic or triclinic cell fluctuations."""
 
     class_name: ClassVar[str] = "IsotropicMTKNPT"
+    anisotropic_class_name: ClassVar[str] = "MTKNPT"
     type: Literal["npt_mtk"]
     timestep: Positive = Field(description="fs")
     temperature: Positive = Field(description="K")
-    pressure: Number = Field(description="target pressure, bar (1 bar = 1e-4 GPa)")
+    pressure: PressureValue = Field(description=_PRESSURE_HELP)
+    coupling: Literal["isotropic", "anisotropic", "triclinic"] | None = Field(None, description=_COUPLING_HELP)
+    mask: MaskValue | None = Field(None, description=_MASK_HELP)
     tdamp: Positive | None = Field(None, description="thermostat time constant, fs (default 100 timesteps)")
     pdamp: Positive | None = Field(None, description="barostat time constant, fs (default 1000 timesteps)")
     tchain: PositiveInt | None = Field(None, description="thermostats in the atoms' chain")
@@ -70,14 +141,17 @@ class IsotropicMTKNPTSpec(IntegratorSpec):
     ploop: PositiveInt | None = Field(None, description="barostat's chain substeps per half step")
 
 
-class StochasticCellRescalingSpec(IntegratorSpec):
-    """NPT by stochastic cell rescaling (Bernetti & Bussi 2020) with a Langevin thermostat."""
+class StochasticCellRescalingSpec(_BarostatSpec):
+    """NPT by stochastic cell rescaling (Bernetti & Bussi 2020) with a Langevin thermostat: isotropic, anisotropic or triclinic."""
 
     class_name: ClassVar[str] = "StochasticCellRescaling"
+    anisotropic_class_name: ClassVar[str] = "AnisotropicCellRescaling"
     type: Literal["npt_csr"]
     timestep: Positive = Field(description="fs")
     temperature: Positive = Field(description="K")
-    pressure: Number = Field(description="target pressure, bar (1 bar = 1e-4 GPa)")
+    pressure: PressureValue = Field(description=_PRESSURE_HELP)
+    coupling: Literal["isotropic", "anisotropic", "triclinic"] | None = Field(None, description=_COUPLING_HELP)
+    mask: MaskValue | None = Field(None, description=_MASK_HELP + " (in the cell's standard frame: a along x, b in the xy plane)")
     compressibility: Positive | None = Field(None, description="compressibility estimate, 1/bar (default 4.5e-5)")
     taup: Positive | None = Field(None, description="barostat relaxation time, fs (default 1000 timesteps)")
     friction: Positive | None = Field(None, description="Langevin collision rate, 1/fs")

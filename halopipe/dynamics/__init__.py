@@ -6,7 +6,7 @@ rank owns and reduce global quantities across ranks, and random numbers are
 keyed by global atom ids, so trajectories do not depend on the rank count.
 """
 
-from .barostats import IsotropicMTKNPT, StochasticCellRescaling
+from .barostats import MTKNPT, AnisotropicCellRescaling, IsotropicMTKNPT, StochasticCellRescaling
 from .integrators import FIRE, Integrator, Langevin, MDState, NoseHooverChain, VelocityVerlet
 from .reporters import EnergyPlot, ProgressBar, Reporter, ThermoLog, Trajectory
 from .simulation import CheckpointError, CheckpointMismatch, Simulation, load_checkpoint
@@ -21,6 +21,8 @@ __all__ = [
     "FIRE",
     "IsotropicMTKNPT",
     "StochasticCellRescaling",
+    "MTKNPT",
+    "AnisotropicCellRescaling",
     "Simulation",
     "load_checkpoint",
     "CheckpointError",

@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from halopipe import dynamics
 from halopipe.config import (
     MODEL_SPECS,
     MODEL_TYPES,
@@ -330,8 +331,9 @@ def test_specs_cover_every_constructor_parameter():
         assert set(spec.model_fields) - {"type"} - loaders == accepted, name
     for spec in INTEGRATOR_SPECS:
         for kind in typing.get_args(spec.model_fields["type"].annotation):
-            accepted = set(list(inspect.signature(integrator_class(kind).__init__).parameters)[1:])
-            assert set(spec.model_fields) - {"type"} == accepted, kind
+            classes = [integrator_class(kind)] + [getattr(dynamics, n) for n in [getattr(spec, "anisotropic_class_name", None)] if n]
+            accepted = set().union(*(list(inspect.signature(cls.__init__).parameters)[1:] for cls in classes))
+            assert set(spec.model_fields) - {"type"} - set(getattr(spec, "selectors", ())) == accepted, kind
 
 
 class PairEnergy(torch.nn.Module):
