@@ -43,7 +43,9 @@ _NAMES_BY_MODULE = {
         "NoseHooverChain",
         "FIRE",
         "IsotropicMTKNPT",
+        "MTKNPT",
         "StochasticCellRescaling",
+        "AnisotropicCellRescaling",
         "load_checkpoint",
     ],
 }
@@ -81,7 +83,9 @@ __all__ = [
     "NoseHooverChain",
     "FIRE",
     "IsotropicMTKNPT",
+    "MTKNPT",
     "StochasticCellRescaling",
+    "AnisotropicCellRescaling",
     "load_checkpoint",
     "__version__",
 ]
@@ -93,6 +97,8 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from .domain import DomainConfig
     from .dynamics import (
         FIRE,
+        MTKNPT,
+        AnisotropicCellRescaling,
         IsotropicMTKNPT,
         Langevin,
         NoseHooverChain,
