@@ -119,7 +119,7 @@ class AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(grad.contiguous(), ctx.recv_sizes, ctx.send_sizes), None, None, None
 
 
-def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]) -> torch.Tensor:
+def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]):
     """Redistribute a complex block among the ranks of ``comm`` with one all-to-all.
 
     ``x`` holds all of ``split_axis`` and this rank's piece of ``gather_axis``.
@@ -273,7 +273,8 @@ class PencilMeshTransform(MeshTransform):
     # ----------------------------------------------------------- interface
     def forward(self, mesh: torch.Tensor) -> torch.Tensor:
         if tuple(mesh.shape) != self.real_shape():
-            raise ValueError(f"{type(self).__name__}.forward: this rank's block must have shape {self.real_shape()}, got {tuple(mesh.shape)}")
+            name, shape = type(self).__name__, self.real_shape()
+            raise ValueError(f"{name}.forward: this rank's block must have shape {shape}, got {tuple(mesh.shape)}")
         row, column = self._row_and_column()
         p = self.pieces
         x = _fft(torch.fft.rfft, mesh, dim=2, norm="backward")
