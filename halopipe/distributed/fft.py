@@ -194,7 +194,8 @@ def choose_grid(sizes, parts: int, decomposition: str = "auto") -> tuple[int, in
     """The process grid ``(Pr, Pc)`` for ``parts`` ranks on a mesh of ``sizes`` (see the module docstring).
 
     ``decomposition``: ``"auto"`` (any grid), ``"slab"`` (``(parts, 1)``) or
-    ``"pencil"`` (grids with ``Pc > 1``; the slab when ``parts`` is 1).
+    ``"pencil"`` (two-dimensional grids, ``Pr > 1`` and ``Pc > 1``; for a prime
+    ``parts``, ``(1, parts)``; the slab when ``parts`` is 1).
     """
     if decomposition not in DECOMPOSITIONS:
         raise ValueError(f"mesh decomposition must be one of {DECOMPOSITIONS}, got {decomposition!r}")
@@ -202,7 +203,7 @@ def choose_grid(sizes, parts: int, decomposition: str = "auto") -> tuple[int, in
     if decomposition == "slab" or parts == 1:
         return (parts, 1)
     if decomposition == "pencil":
-        grids = [g for g in grids if g[1] > 1]
+        grids = [g for g in grids if g[0] > 1 and g[1] > 1] or [(1, parts)]
     costs = {g: grid_cost(sizes, g) for g in grids}
     full = [g for g in grids if _full(sizes, g)]
     if full:

@@ -205,3 +205,25 @@ def gather_case() -> dict:
         out["numbers_equal"] = bool((whole.numbers == system.numbers).all())
         out["masses"] = float((whole.masses - system.masses).abs().max())
     return out
+
+
+# ------------------------------------------------------------ sub-communicators
+def split_case() -> dict:
+    """On 4 ranks: the parts [0, 2] and [1, 3] reduce, exchange, broadcast and gather among themselves only."""
+    comm = Comm()
+    part = comm.split([[0, 2], [1, 3]])
+    me = torch.tensor([float(comm.rank)])
+    peer = 1 - part.rank
+    got = part.exchange({peer: me * 10}, {peer: (1,)}, me.dtype, me.device)[peer]
+    sent_before = comm.bytes_sent
+    total = part.all_reduce(me)
+    rows = part.gather_rows(torch.full((comm.rank + 1, 2), float(comm.rank)), root=1)
+    return {
+        "sub_rank": part.rank,
+        "sum": float(total[0]),
+        "from_peer": float(got[0]),
+        "broadcast": float(part.broadcast(me if part.rank == 1 else None, (1,), me.dtype, me.device, src=1)[0]),
+        "gathered": None if rows is None else rows[:, 0].tolist(),
+        "parent_counted": comm.bytes_sent - sent_before,
+        "again_cached": comm.split([[0, 2], [1, 3]]).group is part.group,
+    }

@@ -18,7 +18,7 @@ from halopipe.distributed import Comm
 from halopipe.distributed.fft import PencilMeshTransform, choose_grid, grid_cost
 from halopipe.distributed.launch import spawn
 
-from ._fft_workers import pencil_failure, run_fft_cases
+from ._fft_workers import pencil_failure, run_fft_cases, split_case
 
 # (mesh sizes, process grid (Pr, Pc); None: SlabMeshTransform)
 CASES = {
@@ -79,7 +79,8 @@ def test_slab_or_pencil_rule():
     assert choose_grid((64, 64, 64), 4) == (4, 1)  # few ranks, big mesh: the slab sends the fewest bytes
     assert choose_grid((32, 32, 32), 16) == (4, 4)  # many ranks, small mesh: 6 messages instead of 15
     assert choose_grid((32, 32, 32), 16, "slab") == (16, 1)
-    assert choose_grid((64, 64, 64), 2, "pencil") == (1, 2)
+    assert choose_grid((64, 64, 64), 2, "pencil") == (1, 2)  # a prime number of ranks: one row
+    assert choose_grid((64, 64, 64), 4, "pencil") == (2, 2)  # forced pencils are two-dimensional
     assert choose_grid((5, 7, 6), 1) == (1, 1)
 
 
@@ -90,3 +91,19 @@ def test_bad_grid_and_decomposition_are_clear_errors():
         PencilMeshTransform(Comm(), (8, 8, 8), (2, 1))
     with pytest.raises(ValueError, match="parts must divide the ranks"):
         Comm().split([[0], [1]])
+
+
+@pytest.mark.timeout(120)
+def test_sub_communicators_talk_within_their_part():
+    results = spawn(split_case, 4, timeout=100)
+    for rank, r in enumerate(results):
+        part = [rank % 2, rank % 2 + 2]  # this rank's part: [0, 2] or [1, 3]
+        assert r["sub_rank"] == rank // 2, r
+        assert r["sum"] == sum(part), r
+        assert r["from_peer"] == 10 * part[1 - rank // 2], r
+        assert r["broadcast"] == part[1], r
+        # gather_rows to sub-rank 1 (world rank 2 or 3): rank a sends a + 1 rows of value a
+        assert r["gathered"] == (None if rank < 2 else [float(a) for a in part for _ in range(a + 1)]), r
+        # The part's traffic is counted on the parent: sub-rank 0 sent its rank + 1 rows of 2 float32 to the root.
+        assert r["parent_counted"] == (0 if rank >= 2 else (rank + 1) * 2 * 4), r
+        assert r["again_cached"], r
