@@ -96,3 +96,13 @@ def test_auto_mode_follows_the_measured_crossover():
 def test_unknown_mesh_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="mesh must be one of"):
         PME(cutoff=5.0, mesh="cubes")
+
+
+def test_config_schema_offers_every_mesh_mode():
+    from typing import get_args
+
+    from halopipe.config.models import PMESpec
+    from halopipe.models.pme import _MESH_MODES
+
+    literal = next(a for a in get_args(PMESpec.model_fields["mesh"].annotation) if a is not type(None))
+    assert set(get_args(literal)) == set(_MESH_MODES)
