@@ -131,20 +131,17 @@ def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[i
     if comm.size == 1:
         return x
     me = comm.rank
-    # With the split axis first, each destination's piece is consecutive: one copy makes the send buffer.
-    send = torch.view_as_real(x).movedim(split_axis, 0).reshape(-1)
-    per_index = 2 * x.numel() // x.shape[split_axis]  # real numbers per index of the split axis
-    rest = [n for axis, n in enumerate(x.shape) if axis != split_axis] + [2]
-    moved_gather = gather_axis + 1 if gather_axis < split_axis else gather_axis
+    pieces = torch.split(torch.view_as_real(x), split_sizes, dim=split_axis)
+    send = torch.cat([p.reshape(-1) for p in pieces])  # grouped by destination
     shapes = []
     for held in gather_sizes:
-        shape = [split_sizes[me]] + rest
-        shape[moved_gather] = held
+        shape = list(x.shape) + [2]
+        shape[split_axis], shape[gather_axis] = split_sizes[me], held
         shapes.append(shape)
     recv_sizes = [shape[0] * shape[1] * shape[2] * 2 for shape in shapes]
-    got = AllToAll.apply(send, comm, [n * per_index for n in split_sizes], recv_sizes)
+    got = AllToAll.apply(send, comm, [p.numel() for p in pieces], recv_sizes)
     blocks = [g.reshape(shape) for g, shape in zip(torch.split(got, recv_sizes), shapes)]
-    return torch.view_as_complex(torch.cat(blocks, dim=moved_gather).movedim(0, split_axis))
+    return torch.view_as_complex(torch.cat(blocks, dim=gather_axis))
 
 
 # ------------------------------------------------------------------ process grid
