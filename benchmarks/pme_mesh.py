@@ -15,6 +15,15 @@ rank (largest over ranks):
   does not count.
 
     python benchmarks/pme_mesh.py --nproc 2 4 --mesh 16 32 64 128
+
+``--transposes`` measures the distributed FFT alone, slab vs pencil grid:
+per rank (largest over ranks) and per forward + inverse transform, the
+all-to-all bytes and messages sent and the collectives (counted by
+``Comm``), the largest block a rank holds at any stage (``grid_cost``) and
+the peak RSS growth of a fresh process from after a warm-up on a tiny mesh
+(process groups made, FFT library loaded) to the end.
+
+    python benchmarks/pme_mesh.py --transposes --nproc 4 8 16 --mesh 64 192
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import max_over_ranks, print_table, rank, timed  # noqa: E402
 
 from halopipe import Group, Pipeline, Step, System  # noqa: E402
-from halopipe.distributed import DomainConfig, ShardedSystem  # noqa: E402
+from halopipe.distributed import Comm, DomainConfig, ShardedSystem  # noqa: E402
+from halopipe.distributed.fft import PencilMeshTransform, choose_grid, grid_cost  # noqa: E402
 from halopipe.distributed.launch import spawn  # noqa: E402
 from halopipe.models.pme import PME  # noqa: E402
 
@@ -60,12 +70,54 @@ def run(mode: str, mesh: int, repeats: int) -> list[float]:
     return max_over_ranks([seconds, peak, sent])
 
 
+def transposes(mesh: int, decomposition: str, repeats: int) -> list[float]:
+    """Traffic and memory of ``repeats`` forward + inverse transforms of a ``mesh^3`` mesh (largest over ranks)."""
+    import torch
+
+    comm = Comm(timeout=300)
+    grid = choose_grid((mesh,) * 3, comm.size, decomposition)
+    # Warm-up on a tiny mesh of the same grid: the row and column groups and the FFT library's first use.
+    tiny = PencilMeshTransform(comm, (2 * grid[0], 2 * grid[1], 4), grid)
+    tiny.inverse(tiny.forward(torch.zeros(tiny.real_shape(), dtype=torch.float64)))
+    before_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    transform = PencilMeshTransform(comm, (mesh,) * 3, grid)
+    block = torch.randn(transform.real_shape(), dtype=torch.float64)
+    transform.inverse(transform.forward(block))
+    counters = ("all_to_all_bytes", "messages_sent", "collectives")
+    start = [getattr(comm, name) for name in counters]
+    for _ in range(repeats):
+        transform.inverse(transform.forward(block))
+    counted = [(getattr(comm, name) - s) / repeats for name, s in zip(counters, start)]
+    peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_rss) / 1024.0
+    return max_over_ranks([*counted, peak])
+
+
+def transpose_table(nprocs: list[int], meshes: list[int], repeats: int) -> None:
+    rows = []
+    for p in nprocs:
+        for mesh in meshes:
+            for decomposition in ("slab", "pencil"):
+                grid = choose_grid((mesh,) * 3, p, decomposition)
+                sent, messages, collectives, peak = spawn(transposes, p, mesh, decomposition, repeats, timeout=900)[0]
+                held = grid_cost((mesh,) * 3, grid)["held"]
+                auto = "yes" if choose_grid((mesh,) * 3, p) == grid else ""
+                rows.append([p, f"{mesh}^3", f"{grid[0]}x{grid[1]}", auto, f"{sent / 1e6:.3f}", f"{messages:.0f}", f"{collectives:.0f}"])
+                rows[-1] += [f"{held / 2**20:.2f}", f"{peak:.1f}"]
+                print(rows[-1], flush=True)
+    header = ["ranks", "mesh", "grid", "auto pick", "MB sent", "messages", "collectives", "largest block (MiB)", "peak RSS (MiB)"]
+    print_table("Distributed FFT, per rank per forward + inverse (largest over ranks)", header, rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mesh", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transposes", action="store_true", help="the FFT's transposes alone: slab vs pencil traffic and memory")
     args = parser.parse_args()
+    if args.transposes:
+        transpose_table(args.nproc, args.mesh, args.repeats)
+        return
     rows = []
     for p in args.nproc:
         for mesh in args.mesh:

@@ -214,8 +214,11 @@ class Domain:
         """Non-differentiable reduction over ranks (identity on one process)."""
         return x
 
-    def mesh_transform(self, sizes) -> MeshTransform:
-        """The (possibly distributed) 3-D FFT of a mesh of ``sizes`` shared by this domain's processes."""
+    def mesh_transform(self, sizes, decomposition: str = "auto") -> MeshTransform:
+        """The (possibly distributed) 3-D FFT of a mesh of ``sizes`` shared by this domain's processes.
+
+        ``decomposition`` (``"auto"``, ``"slab"``, ``"pencil"``) chooses how ranks share it; one process holds it whole.
+        """
         return LocalMeshTransform(sizes)
 
     def gather(self, x: torch.Tensor, root: int | None = None) -> torch.Tensor | None:

@@ -16,9 +16,9 @@ A particle-mesh model (PME) needs three things from the mesh, and a
   owned k-points, so a kernel ``G(k)`` is evaluated only there.
 
 :class:`LocalMeshTransform` is the single-process implementation: the whole
-mesh, ``torch.fft.rfftn``. The distributed slab transform
-(``halopipe.distributed.fft.SlabMeshTransform``) implements the same
-interface with mesh slabs per rank and all-to-all transposes.
+mesh, ``torch.fft.rfftn``. The distributed transforms of
+:mod:`halopipe.distributed.fft` implement the same interface with mesh slabs
+or pencils per rank and all-to-all transposes.
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ def signed_frequencies(n: int, device=None) -> torch.Tensor:
     return torch.where(m < (n + 1) // 2, m, m - n)  # torch.fft.fftfreq(n) * n: the Nyquist point of even n is -n/2
 
 
-def box_flat_index(lo: tuple[int, int, int], extent: tuple[int, int, int], sizes, first_axis: torch.Tensor | None = None) -> torch.Tensor:
-    """Flat index into a ``sizes`` mesh (or slab rows ``first_axis``) of every point of a periodic box.
+def box_flat_index(lo: tuple[int, int, int], extent: tuple[int, int, int], sizes) -> torch.Tensor:
+    """Flat index into a ``sizes`` mesh of every point of a periodic box.
 
     The box starts at integer mesh index ``lo`` (any integer: it wraps) and
     spans ``extent`` points per axis (at most the mesh size). Returns a
-    tensor of shape ``extent`` (or ``(len(first_axis),) + extent[1:]``).
+    tensor of shape ``extent``.
     """
     n0, n1, n2 = (int(s) for s in sizes)
-    g0 = (lo[0] + torch.arange(extent[0])) % n0 if first_axis is None else first_axis
+    g0 = (lo[0] + torch.arange(extent[0])) % n0
     g1 = (lo[1] + torch.arange(extent[1])) % n1
     g2 = (lo[2] + torch.arange(extent[2])) % n2
     return (g0[:, None, None] * n1 + g1[None, :, None]) * n2 + g2[None, None, :]

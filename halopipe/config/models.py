@@ -142,8 +142,10 @@ class PMESpec(ModelSpec):
     mesh_size: list[PositiveInt] | None = Field(None, min_length=3, max_length=3, description="explicit mesh [n1, n2, n3]")
     order: Int | None = Field(None, description="B-spline order, 3 to 5")
     alpha: Positive | None = Field(None, description="splitting parameter override, 1/Å")
-    mesh: Literal["auto", "replicated", "distributed"] | None = Field(
-        None, description="mesh shared by the ranks: replicated, slab-distributed, or chosen by size (auto, default)"
+    mesh: Literal["auto", "replicated", "distributed", "slab", "pencil"] | None = Field(
+        None,
+        description="mesh shared by the ranks: replicated, distributed (slabs or pencils, chosen by the grid), "
+        "slab or pencil (distributed, forced), or chosen by size (auto, default)",
     )
 
 

@@ -6,6 +6,8 @@
   the halo and by migration: no all-gather of positions anywhere;
 * reductions (``all_reduce``) and a differentiable global sum whose backward
   is again a global sum (``GlobalSum``);
+* sub-communicators (``split``): the ranks of one part of a partition, for
+  collectives among a few ranks (the rows and columns of a pencil FFT);
 * error agreement: ``agree`` turns a local problem on any rank into the same
   :class:`DistributedError` on every rank, before any data moves, and
   ``guard`` reports an exception raised mid-way to the other ranks through the
@@ -18,6 +20,8 @@ bumps a failure counter there, so its peers stop waiting within one poll and
 raise its message; it then waits only until every other rank has either seen
 the failure or failed itself (so the same error on all ranks ends at once).
 A peer that stalls without failing is caught by the group's timeout.
+Sub-communicators poll the same way and report under their parent's keys and
+ranks, so a failure on any rank ends the waits in every part.
 
 Communicators with the same timeout share one process group (created on first
 use, collectively; released by ``dist.destroy_process_group()``), so scattering
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import datetime
 import queue
 import threading
@@ -47,6 +52,7 @@ POLL_SECONDS = 0.05  # a wait longer than this checks the store for peer failure
 REPORT_GRACE_SECONDS = 1.0  # after a communication error, how long to look for a peer's reported cause
 TOLD_WAIT_SECONDS = 3.0  # how long a rank that read a peer's report stays for the others to read it
 CONNECT_SECONDS = 300.0  # how long creating a group waits for the other ranks (operations then use the timeout)
+_COUNTERS = ("bytes_sent", "all_to_all_bytes", "messages_sent", "collectives", "reduce_bytes")
 
 
 class DistributedError(RuntimeError):
@@ -82,6 +88,9 @@ class Comm:
         self.messages_sent = 0
         self.collectives = 0
         self.reduce_bytes = 0
+        self._parent: Comm | None = None  # set on a sub-communicator (``split``): its traffic counts there too
+        self._forwarded = (0,) * len(_COUNTERS)
+        self._report_rank, self._report_size = self.rank, self.size  # failure reports use the whole group's ranks
         self._tag = 0
         self._activity = "communication"
         self.device = torch.device("cpu")
@@ -95,6 +104,37 @@ class Comm:
             self.group = self._shared.group
             self._prefix = self._shared.prefix  # store keys of this group's failure reports
             self._store = _default_store()
+
+    def split(self, parts: list[list[int]]) -> Comm:
+        """The sub-communicator over the part of ``parts`` that holds this rank.
+
+        ``parts`` divides this communicator's ranks into disjoint lists covering
+        all of them, the same on every rank: every rank must call ``split``
+        with the same ``parts`` (creating the groups is collective; they are
+        created once per partition and kept with this communicator's group).
+        In the result, ranks are positions within the part. It waits with the
+        same polling and reports failures under this communicator's keys and
+        ranks, so a failure on any rank ends the waits in every part, and its
+        traffic is counted here too. A sub-communicator is not split again.
+        """
+        key = tuple(tuple(int(r) for r in part) for part in parts)
+        if sorted(r for part in key for r in part) != list(range(self.size)) or not all(key):
+            raise ValueError(f"Comm.split: parts must divide the ranks 0..{self.size - 1} into non-empty disjoint lists, got {parts}")
+        if self._parent is not None:
+            raise ValueError("Comm.split: a sub-communicator cannot be split again; split its parent")
+        if not self.distributed or len(key) == 1:  # one part: this communicator itself
+            return self
+        groups = self._shared.parts.get(key)
+        if groups is None:  # every rank creates every part's group, in the same order, as new_group requires
+            groups = self._shared.parts[key] = [_new_group(self.timeout, list(part)) if len(part) > 1 else None for part in key]
+        mine = next(i for i, part in enumerate(key) if self.rank in part)
+        sub = copy.copy(self)
+        sub.group, sub.rank, sub.size = groups[mine], key[mine].index(self.rank), len(key[mine])
+        sub.distributed = sub.size > 1
+        sub._parent, sub._forwarded, sub._tag = self, (0,) * len(_COUNTERS), 0
+        for name in _COUNTERS:
+            setattr(sub, name, 0)
+        return sub
 
     # ----------------------------------------------------------- collectives
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -142,7 +182,7 @@ class Comm:
         count = torch.tensor([x.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.size)] if self.rank == root else None
         self.collectives += 1
-        self._run(lambda: [dist.gather(count, counts, dst=root, group=self.group, async_op=True)])
+        self._run(lambda: [dist.gather(count, counts, group_dst=root, group=self.group, async_op=True)])
         rows = tuple(x.shape[1:])
         shapes = {r: (int(c[0]),) + rows for r, c in enumerate(counts) if r != root} if self.rank == root else {}
         got = self.exchange({} if self.rank == root else {root: x}, shapes, x.dtype, x.device)
@@ -157,7 +197,7 @@ class Comm:
         buf = x.detach().to(self.device).contiguous() if self.rank == src else torch.empty(shape, dtype=dtype, device=self.device)
         self.collectives += 1
         self.reduce_bytes += buf.numel() * buf.element_size()
-        self._run(lambda: [dist.broadcast(buf, src=src, group=self.group, async_op=True)])
+        self._run(lambda: [dist.broadcast(buf, group_src=src, group=self.group, async_op=True)])
         return buf.to(device)
 
     def exchange_counts(self, counts: list[int]) -> list[int]:
@@ -182,7 +222,7 @@ class Comm:
             return obj
         box = [obj]
         self.collectives += 1
-        self._run(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
+        self._run(lambda: dist.broadcast_object_list(box, group_src=src, group=self.group))
         return box[0]
 
     def exchange(
@@ -205,7 +245,7 @@ class Comm:
             t = tensor.to(self.device).contiguous()
             self.bytes_sent += t.numel() * t.element_size()
             self.messages_sent += 1
-            ops.append(dist.P2POp(dist.isend, t, peer, self.group, self._tag))
+            ops.append(dist.P2POp(dist.isend, t, group=self.group, tag=self._tag, group_peer=peer))
         for peer, shape in recv_shapes.items():
             if shape[0] == 0:
                 out[peer] = torch.empty(shape, dtype=dtype, device=device)
@@ -214,7 +254,7 @@ class Comm:
                 continue
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             out[peer] = buf
-            ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, self._tag))
+            ops.append(dist.P2POp(dist.irecv, buf, group=self.group, tag=self._tag, group_peer=peer))
         if ops:
             self._run(lambda: dist.batch_isend_irecv(ops), p2p=True)
         return {peer: t.to(device) for peer, t in out.items()}
@@ -257,15 +297,16 @@ class Comm:
             reported = self._reported_failure()  # a peer's failure that reached us wrapped (e.g. by autograd)
             if reported is not None:
                 raise reported from exc
-            message = f"rank {self.rank} failed during {what}: {type(exc).__name__}: {exc}"
+            message = f"rank {self._report_rank} failed during {what}: {type(exc).__name__}: {exc}"
             self._report(message)
-            raise DistributedError(message, rank=self.rank) from exc
+            raise DistributedError(message, rank=self._report_rank) from exc
         finally:
             self._activity = "communication"
 
     # ------------------------------------------------------------- internals
     def _run(self, start, p2p: bool = False) -> None:
         """Run ``start()`` (async works, or ``None`` when it blocks) and wait for the works, watching for peer failures."""
+        self._forward_traffic()
         spent = self._shared.failure
         if spent is not None:
             raise DistributedError(f"this process group failed earlier: {spent}", rank=spent.rank)
@@ -284,7 +325,7 @@ class Comm:
             raise
         except Exception as exc:  # the group's timeout, or a peer that closed its connections
             failure = self._reported_failure(grace=min(REPORT_GRACE_SECONDS, self.timeout)) or DistributedError(
-                f"rank {self.rank}: communication with its peers failed during {self._activity} and no rank reported a cause "
+                f"rank {self._report_rank}: communication with its peers failed during {self._activity} and no rank reported a cause "
                 f"(a peer stalled for longer than the {self.timeout:g} s timeout, or died): {_first_line(exc)}"
             )
             self._spend(failure)
@@ -322,14 +363,14 @@ class Comm:
 
     def _report(self, message: str) -> None:
         """Tell the other ranks about this rank's failure; wait until each has seen it or failed (at most the timeout)."""
-        failure = DistributedError(message, rank=self.rank)
+        failure = DistributedError(message, rank=self._report_rank)
         self._spend(failure)
         with contextlib.suppress(Exception):  # the store may be gone with a dead rank 0: nobody left to tell
-            self._store.set(f"{self._prefix}/error/{self.rank}", message)
+            self._store.set(f"{self._prefix}/error/{self._report_rank}", message)
             self._store.add(f"{self._prefix}/failed", 1)
             self._count_as_told()
             deadline = time.monotonic() + self.timeout
-            while self._store.add(f"{self._prefix}/told", 0) < self.size and time.monotonic() < deadline:
+            while self._store.add(f"{self._prefix}/told", 0) < self._report_size and time.monotonic() < deadline:
                 time.sleep(0.02)
 
     def _reported_failure(self, grace: float = 0.0) -> DistributedError | None:
@@ -338,13 +379,13 @@ class Comm:
         while True:
             with contextlib.suppress(Exception):  # a store that cannot be reached holds no report
                 if self._store.add(f"{self._prefix}/failed", 0) > 0:
-                    for r in range(self.size):
+                    for r in range(self._report_size):
                         key = f"{self._prefix}/error/{r}"
-                        if r != self.rank and self._store.check([key]):
+                        if r != self._report_rank and self._store.check([key]):
                             message = self._store.get(key).decode()
                             self._count_as_told()
                             self._await_everyone_told(min(self.timeout, TOLD_WAIT_SECONDS))
-                            return DistributedError(f"{message} (reported on rank {self.rank})", rank=r)
+                            return DistributedError(f"{message} (reported on rank {self._report_rank})", rank=r)
             if time.monotonic() >= deadline:
                 return None
             time.sleep(POLL_SECONDS)
@@ -358,13 +399,22 @@ class Comm:
         """
         deadline = time.monotonic() + limit
         with contextlib.suppress(Exception):  # a store that is gone has nobody left to serve
-            while self._store.add(f"{self._prefix}/told", 0) < self.size and time.monotonic() < deadline:
+            while self._store.add(f"{self._prefix}/told", 0) < self._report_size and time.monotonic() < deadline:
                 time.sleep(0.02)
 
     def _count_as_told(self) -> None:
         if not self._shared.told:
             self._shared.told = True
             self._store.add(f"{self._prefix}/told", 1)
+
+    def _forward_traffic(self) -> None:
+        """Add this sub-communicator's counts since the last call to its parent's (every counted operation runs through ``_run``)."""
+        if self._parent is None:
+            return
+        now = tuple(getattr(self, name) for name in _COUNTERS)
+        for name, before, after in zip(_COUNTERS, self._forwarded, now):
+            setattr(self._parent, name, getattr(self._parent, name) + after - before)
+        self._forwarded = now
 
     def _spend(self, failure: DistributedError) -> None:
         """After a failure the group may hold abandoned operations: no communicator may use it again."""
@@ -442,13 +492,20 @@ class _SharedGroup:
         _SharedGroup.created += 1
         self.prefix = f"halopipe/{_SharedGroup.created}"
         self.told = False  # has this rank counted itself as aware of the failure?
-        if dist.get_backend() == "gloo":
-            # Joining waits as long as joining the default group did: a rank may arrive late from reading its input.
-            self.group = dist.new_group(timeout=datetime.timedelta(seconds=max(timeout, CONNECT_SECONDS)))
-            self.group.set_timeout(datetime.timedelta(seconds=timeout))
-        else:
-            self.group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
+        self.group = _new_group(timeout)
+        self.parts: dict[tuple, list] = {}  # the groups of each partition split off this one (``Comm.split``)
         self.failure: DistributedError | None = None
+
+
+def _new_group(timeout: float, ranks: list[int] | None = None):
+    """A process group of ``ranks`` (all by default); collective over all ranks, members or not."""
+    if dist.get_backend() != "gloo":
+        return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
+    # Joining waits as long as joining the default group did: a rank may arrive late from reading its input.
+    group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=max(timeout, CONNECT_SECONDS)))
+    if group is not dist.GroupMember.NON_GROUP_MEMBER:
+        group.set_timeout(datetime.timedelta(seconds=timeout))
+    return group
 
 
 class _GroupCache:

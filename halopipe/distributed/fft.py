@@ -1,29 +1,47 @@
-"""A distributed 3-D real FFT on mesh slabs, differentiable end to end.
+"""A distributed 3-D real FFT on mesh slabs or pencils, differentiable end to end.
 
-Slab decomposition: rank ``r`` holds the real-space planes ``x0 in
-[a_r, b_r)`` of an ``(n0, n1, n2)`` mesh (balanced: sizes differ by at most
-one, so no mesh size needs to divide by the number of ranks; ranks beyond
-``n0`` hold no plane). The forward transform
+The ranks form a ``Pr x Pc`` process grid over the first two mesh axes: rank
+``(i, j)`` holds the real-space block ``x0 in`` its ``i``-th piece of ``n0``,
+``x1 in`` its ``j``-th piece of ``n1``, all of ``x2``. Pieces are balanced
+(sizes differ by at most one), so no mesh size needs to divide by the grid; a
+rank whose piece is empty holds nothing and still takes part. The forward
+transform of an ``(n0, n1, n2)`` mesh, with ``h = n2 // 2 + 1``:
 
-1. runs the local 1-D real FFT along axis 2 and the complex FFT along axis 1
-   on its planes, giving ``(b_r - a_r, n1, n2 // 2 + 1)``;
-2. transposes with one ``all_to_all_single``: every rank sends each rank
-   ``t`` its planes' rows ``y in [c_t, d_t)`` and so ends up with all ``n0``
-   planes of its own rows, ``(n0, d_r - c_r, n2 // 2 + 1)``;
-3. runs the 1-D FFT along axis 0.
+1. local real FFT along axis 2: ``(x0_i, x1_j, h)``;
+2. transpose within the grid row (the ``Pc`` ranks sharing ``i``): every rank
+   sends each row peer its part of that peer's ``k2`` piece and gathers all of
+   ``x1``: ``(x0_i, n1, k2_j)``; local FFT along axis 1;
+3. transpose within the grid column (the ``Pr`` ranks sharing ``j``): gather
+   all of ``x0``, keep the ``i``-th piece of ``k1``: ``(n0, k1_i, k2_j)``;
+   local FFT along axis 0.
 
-The spectrum is thus distributed over the ``k1`` axis; the inverse runs the
-same steps backwards. Each rank holds ``O(M / P)`` numbers and sends
-``O(M / P)`` per transpose. Every step is linear with an exact adjoint
-(local FFTs through autograd, the transpose through :class:`AllToAll`, whose
-backward is the reverse all-to-all), so gradients through the transform are
-exact.
+The inverse runs the same steps backwards. Each transpose is one
+``all_to_all_single`` in a row or column sub-communicator
+(:meth:`~halopipe.distributed.comm.Comm.split`), so a rank exchanges messages
+with ``Pr + Pc - 2`` ranks, ``O(sqrt P)`` on a square grid. The slab
+decomposition is the grid ``P x 1``: step 2 needs no transpose, and step 3 is
+one all-to-all among all ``P`` ranks. Each rank holds ``O(M / P)`` numbers at
+every stage and sends ``O(M / P)`` per transpose. Every step is linear with an
+exact adjoint (local FFTs through autograd, the transposes through
+:class:`AllToAll`, whose backward is the reverse all-to-all), so gradients
+through the transform are exact.
 
-:class:`SlabBoxMap` moves a rank's box of mesh values (its atoms' B-spline
-support, ghost layer included) to the slab owners, summing on arrival, and
-reads a box back from the slabs: the mesh's halo exchange, differentiable
+Slab or pencil (:func:`choose_grid`): a grid is *full* when every rank holds
+part of the mesh at every stage (``Pr <= min(n0, n1)``, ``Pc <= min(n1, h)``);
+the slab is full only when ``P <= min(n0, n1)``. Among full grids the one with
+the least modelled transpose time per rank is taken: ``messages x
+MESSAGE_COST_BYTES + bytes`` (the busiest rank, one forward transform), where
+a message costs as much as sending ``MESSAGE_COST_BYTES``. The slab sends the
+fewest bytes, pencils the fewest messages, so pencils win on many ranks or
+small meshes, and whenever ``P`` exceeds the mesh's first dimension. With no
+full grid (``P`` too large for the mesh) the grid whose busiest rank holds the
+least is taken.
+
+:class:`BlockBoxMap` moves a rank's box of mesh values (its atoms' B-spline
+support, ghost layer included) to the block owners, summing on arrival, and
+reads a box back from the blocks: the mesh's halo exchange, differentiable
 both ways. Box descriptors (six integers per rank) are all-gathered once per
-map; the values travel point to point, only between ranks whose box and slab
+map; the values travel point to point, only between ranks whose box and block
 meet.
 """
 
@@ -31,10 +49,27 @@ from __future__ import annotations
 
 import torch
 
-from ..meshfft import BoxMap, MeshTransform, box_flat_index, signed_frequencies
+from ..meshfft import BoxMap, MeshTransform, signed_frequencies
 from .comm import Comm
 
-__all__ = ["SlabMeshTransform", "SlabBoxMap", "AllToAll", "balanced_split"]
+__all__ = [
+    "PencilMeshTransform",
+    "SlabMeshTransform",
+    "BlockBoxMap",
+    "AllToAll",
+    "balanced_split",
+    "choose_grid",
+    "grid_cost",
+    "distributed_mesh_transform",
+    "DECOMPOSITIONS",
+    "MESSAGE_COST_BYTES",
+]
+
+DECOMPOSITIONS = ("auto", "slab", "pencil")
+# The latency of one message in bytes of bandwidth (latency x bandwidth): 64 KiB is 2.6 us at 25 GB/s, an
+# InfiniBand HDR link's MPI latency. Lower (NVLink bandwidth with NCCL's launch latency is higher) favours slabs.
+MESSAGE_COST_BYTES = 64 * 1024
+_COMPLEX_BYTES = 16  # complex128: the transposes move the half spectrum in float64
 
 
 def balanced_split(n: int, parts: int) -> list[int]:
@@ -84,141 +119,274 @@ class AllToAll(torch.autograd.Function):
         return ctx.comm.all_to_all(grad.contiguous(), ctx.recv_sizes, ctx.send_sizes), None, None, None
 
 
-class SlabMeshTransform(MeshTransform):
-    """The mesh transform of :mod:`halopipe.meshfft`, slab-decomposed over the ranks of ``comm``.
+def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]):
+    """Redistribute a complex block among the ranks of ``comm`` with one all-to-all.
+
+    ``x`` holds all of ``split_axis`` and this rank's piece of ``gather_axis``.
+    Piece ``t`` of ``split_axis`` (``split_sizes[t]``) goes to rank ``t``; the
+    pieces received are joined along ``gather_axis`` in rank order (rank ``s``
+    held ``gather_sizes[s]``). The result holds all of ``gather_axis`` and this
+    rank's piece of ``split_axis``.
+    """
+    if comm.size == 1:
+        return x
+    me = comm.rank
+    pieces = torch.split(torch.view_as_real(x), split_sizes, dim=split_axis)
+    send = torch.cat([p.reshape(-1) for p in pieces])  # grouped by destination
+    shapes = []
+    for held in gather_sizes:
+        shape = list(x.shape) + [2]
+        shape[split_axis], shape[gather_axis] = split_sizes[me], held
+        shapes.append(shape)
+    recv_sizes = [shape[0] * shape[1] * shape[2] * 2 for shape in shapes]
+    got = AllToAll.apply(send, comm, [p.numel() for p in pieces], recv_sizes)
+    blocks = [g.reshape(shape) for g, shape in zip(torch.split(got, recv_sizes), shapes)]
+    return torch.view_as_complex(torch.cat(blocks, dim=gather_axis))
+
+
+# ------------------------------------------------------------------ process grid
+def _grid_pieces(sizes, grid) -> dict[str, list[int]]:
+    """The pieces of each axis a ``grid`` splits: x0 and k1 over its rows, x1 and k2 over its columns."""
+    n0, n1, n2 = sizes
+    rows, columns = grid
+    return {
+        "x0": balanced_split(n0, rows),
+        "x1": balanced_split(n1, columns),
+        "k2": balanced_split(n2 // 2 + 1, columns),
+        "k1": balanced_split(n1, rows),
+    }
+
+
+def grid_cost(sizes, grid) -> dict[str, int]:
+    """What one forward transform costs the busiest rank of a ``grid = (Pr, Pc)`` on a mesh of ``sizes``.
+
+    Returns ``held`` (bytes of the largest block a rank holds at any stage,
+    float64), ``messages`` and ``bytes`` (sent to other ranks in the two
+    transposes) and ``modelled`` (``messages * MESSAGE_COST_BYTES + bytes``),
+    each the largest over ranks. The inverse costs the same.
+    """
+    n0, n1, n2 = (int(s) for s in sizes)
+    h = n2 // 2 + 1
+    rows, columns = grid
+    pieces = _grid_pieces((n0, n1, n2), grid)
+    x0, x1, k2, k1 = pieces["x0"], pieces["x1"], pieces["k2"], pieces["k1"]
+    worst = {"held": 0, "messages": 0, "bytes": 0, "modelled": 0}
+    for i in range(rows):
+        for j in range(columns):
+            held = max(x0[i] * x1[j] * n2 * 8, _COMPLEX_BYTES * max(x0[i] * x1[j] * h, x0[i] * n1 * k2[j], n0 * k1[i] * k2[j]))
+            row_sends = [x0[i] * x1[j] * k2[t] for t in range(columns) if t != j]
+            column_sends = [x0[i] * k1[t] * k2[j] for t in range(rows) if t != i]
+            sends = row_sends + column_sends
+            messages = sum(1 for s in sends if s)
+            sent = _COMPLEX_BYTES * sum(sends)
+            for key, value in zip(worst, (held, messages, sent, messages * MESSAGE_COST_BYTES + sent)):
+                worst[key] = max(worst[key], value)
+    return worst
+
+
+def _full(sizes, grid) -> bool:
+    """Whether every rank of ``grid`` holds part of the mesh at every stage."""
+    n0, n1, n2 = (int(s) for s in sizes)
+    return grid[0] <= min(n0, n1) and grid[1] <= min(n1, n2 // 2 + 1)
+
+
+def choose_grid(sizes, parts: int, decomposition: str = "auto") -> tuple[int, int]:
+    """The process grid ``(Pr, Pc)`` for ``parts`` ranks on a mesh of ``sizes`` (see the module docstring).
+
+    ``decomposition``: ``"auto"`` (any grid), ``"slab"`` (``(parts, 1)``) or
+    ``"pencil"`` (two-dimensional grids, ``Pr > 1`` and ``Pc > 1``; for a prime
+    ``parts``, ``(1, parts)``; the slab when ``parts`` is 1).
+    """
+    if decomposition not in DECOMPOSITIONS:
+        raise ValueError(f"mesh decomposition must be one of {DECOMPOSITIONS}, got {decomposition!r}")
+    grids = [(rows, parts // rows) for rows in range(1, parts + 1) if parts % rows == 0]
+    if decomposition == "slab" or parts == 1:
+        return (parts, 1)
+    if decomposition == "pencil":
+        grids = [g for g in grids if g[0] > 1 and g[1] > 1] or [(1, parts)]
+    costs = {g: grid_cost(sizes, g) for g in grids}
+    full = [g for g in grids if _full(sizes, g)]
+    if full:
+        return min(full, key=lambda g: (costs[g]["modelled"], g[1]))
+    return min(grids, key=lambda g: (costs[g]["held"], costs[g]["modelled"], g[1]))
+
+
+def distributed_mesh_transform(comm: Comm, sizes, decomposition: str = "auto") -> PencilMeshTransform:
+    """The FFT of a mesh of ``sizes`` shared by the ranks of ``comm``, on the grid :func:`choose_grid` picks."""
+    sizes = tuple(int(s) for s in sizes)
+    grid = choose_grid(sizes, comm.size, decomposition)
+    return SlabMeshTransform(comm, sizes) if grid[1] == 1 else PencilMeshTransform(comm, sizes, grid)
+
+
+# ------------------------------------------------------------------ transform
+class PencilMeshTransform(MeshTransform):
+    """The mesh transform of :mod:`halopipe.meshfft` on a ``Pr x Pc`` grid of the ranks of ``comm``.
 
     Parameters
     ----------
-    comm : the ranks sharing the mesh.
+    comm : the ranks sharing the mesh; rank ``r`` is grid point ``divmod(r, Pc)``.
     sizes : ``(n0, n1, n2)`` mesh points.
+    grid : ``(Pr, Pc)`` with ``Pr * Pc == comm.size``.
 
-    Real space: this rank's planes ``x0 in [a, b)`` as ``(b - a, n1, n2)``.
-    Spectrum: this rank's rows ``k1 in [c, d)`` as ``(n0, d - c, n2 // 2 + 1)``.
+    Real space: this rank's block ``x0 in [a0, b0)``, ``x1 in [a1, b1)`` as
+    ``(b0 - a0, b1 - a1, n2)``. Spectrum: ``k1 in [c1, d1)``, ``k2 in [c2,
+    d2)`` as ``(n0, d1 - c1, d2 - c2)``. The row and column sub-communicators
+    are split off ``comm`` at the first transform (collectively, like the
+    transform itself).
     """
 
-    def __init__(self, comm: Comm, sizes) -> None:
+    def __init__(self, comm: Comm, sizes, grid: tuple[int, int]) -> None:
         self.comm = comm
         self.sizes = tuple(int(s) for s in sizes)
+        self.grid = (int(grid[0]), int(grid[1]))
+        if len(self.sizes) != 3 or min(self.sizes) < 1:
+            raise ValueError(f"{type(self).__name__}: sizes must be three positive integers, got {sizes}")
+        if self.grid[0] < 1 or self.grid[1] < 1 or self.grid[0] * self.grid[1] != comm.size:
+            raise ValueError(f"{type(self).__name__}: grid {grid} must be two positive factors of the {comm.size} ranks")
         self.parts = comm.size
-        self.planes = balanced_split(self.sizes[0], comm.size)
-        self.rows = balanced_split(self.sizes[1], comm.size)
-        self.plane_start, self.row_start = _starts(self.planes), _starts(self.rows)
-        r = comm.rank
-        self.own_planes = (self.plane_start[r], self.plane_start[r] + self.planes[r])
-        self.own_rows = (self.row_start[r], self.row_start[r] + self.rows[r])
+        self.pieces = _grid_pieces(self.sizes, self.grid)
+        self.grid_rank = divmod(comm.rank, self.grid[1])
+        i, j = self.grid_rank
+        self.own_planes = self._own("x0", i)
+        self.own_columns = self._own("x1", j)
+        self.own_rows = self._own("k1", i)
+        self.own_k2 = self._own("k2", j)
+        self._comms: tuple[Comm, Comm] | None = None
 
-    # ---------------------------------------------------------- transposes
-    def _planes_to_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """(my planes, n1, h) complex -> (n0, my rows, h): one all-to-all."""
-        h, r = x.shape[2], self.comm.rank
-        send = torch.view_as_real(x).permute(1, 0, 2, 3).reshape(-1)  # grouped by destination row block
-        send_sizes = [rows * self.planes[r] * h * 2 for rows in self.rows]
-        recv_sizes = [self.rows[r] * planes * h * 2 for planes in self.planes]
-        got = AllToAll.apply(send, self.comm, send_sizes, recv_sizes)
-        blocks = [b.reshape(self.rows[r], p, h, 2) for b, p in zip(torch.split(got, recv_sizes), self.planes)]
-        return torch.view_as_complex(torch.cat(blocks, dim=1).permute(1, 0, 2, 3).contiguous())
+    def _own(self, axis: str, index: int) -> tuple[int, int]:
+        start = _starts(self.pieces[axis])[index]
+        return start, start + self.pieces[axis][index]
 
-    def _rows_to_planes(self, x: torch.Tensor) -> torch.Tensor:
-        """(n0, my rows, h) complex -> (my planes, n1, h): the reverse all-to-all."""
-        h, r = x.shape[2], self.comm.rank
-        send = torch.view_as_real(x).reshape(-1)  # already grouped by destination plane block
-        send_sizes = [planes * self.rows[r] * h * 2 for planes in self.planes]
-        recv_sizes = [self.planes[r] * rows * h * 2 for rows in self.rows]
-        got = AllToAll.apply(send, self.comm, send_sizes, recv_sizes)
-        blocks = [b.reshape(self.planes[r], rows, h, 2) for b, rows in zip(torch.split(got, recv_sizes), self.rows)]
-        return torch.view_as_complex(torch.cat(blocks, dim=1).contiguous())
+    def _row_and_column(self) -> tuple[Comm, Comm]:
+        """The ranks of this rank's grid row (same ``x0`` piece) and grid column (same ``x1`` piece)."""
+        if self._comms is None:
+            rows, columns = self.grid
+            self._comms = (
+                self.comm.split([[i * columns + j for j in range(columns)] for i in range(rows)]),
+                self.comm.split([[i * columns + j for i in range(rows)] for j in range(columns)]),
+            )
+        return self._comms
+
+    def real_shape(self) -> tuple[int, int, int]:
+        """Shape of this rank's real-space block."""
+        return (self.own_planes[1] - self.own_planes[0], self.own_columns[1] - self.own_columns[0], self.sizes[2])
 
     # ----------------------------------------------------------- interface
     def forward(self, mesh: torch.Tensor) -> torch.Tensor:
-        expected = (self.planes[self.comm.rank], self.sizes[1], self.sizes[2])
-        if tuple(mesh.shape) != expected:
-            raise ValueError(f"SlabMeshTransform.forward: this rank's slab must have shape {expected}, got {tuple(mesh.shape)}")
-        x = _fft(torch.fft.fft, _fft(torch.fft.rfft, mesh, dim=2, norm="backward"), dim=1, norm="backward")
-        return _fft(torch.fft.fft, self._planes_to_rows(x), dim=0, norm="backward")
+        if tuple(mesh.shape) != self.real_shape():
+            name, shape = type(self).__name__, self.real_shape()
+            raise ValueError(f"{name}.forward: this rank's block must have shape {shape}, got {tuple(mesh.shape)}")
+        row, column = self._row_and_column()
+        p = self.pieces
+        x = _fft(torch.fft.rfft, mesh, dim=2, norm="backward")
+        x = _fft(torch.fft.fft, _transpose(x, row, 2, p["k2"], 1, p["x1"]), dim=1, norm="backward")
+        return _fft(torch.fft.fft, _transpose(x, column, 1, p["k1"], 0, p["x0"]), dim=0, norm="backward")
 
     def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:
-        x = self._rows_to_planes(_fft(torch.fft.ifft, spectrum, dim=0, norm="forward"))
-        return _fft(torch.fft.irfft, _fft(torch.fft.ifft, x, dim=1, norm="forward"), n=self.sizes[2], dim=2, norm="forward")
+        row, column = self._row_and_column()
+        p = self.pieces
+        x = _transpose(_fft(torch.fft.ifft, spectrum, dim=0, norm="forward"), column, 0, p["x0"], 1, p["k1"])
+        x = _transpose(_fft(torch.fft.ifft, x, dim=1, norm="forward"), row, 1, p["x1"], 2, p["k2"])
+        return _fft(torch.fft.irfft, x, n=self.sizes[2], dim=2, norm="forward")
 
     def frequencies(self, device=None):
-        n0, _, n2 = self.sizes
-        c, d = self.own_rows
-        m0 = signed_frequencies(n0, device)[:, None, None]
-        m1 = signed_frequencies(self.sizes[1], device)[c:d][None, :, None]
-        m2 = torch.arange(n2 // 2 + 1, device=device)[None, None, :]
+        (c1, d1), (c2, d2) = self.own_rows, self.own_k2
+        m0 = signed_frequencies(self.sizes[0], device)[:, None, None]
+        m1 = signed_frequencies(self.sizes[1], device)[c1:d1][None, :, None]
+        m2 = torch.arange(c2, d2, device=device)[None, None, :]
         return m0, m1, m2
 
     def scatter_full(self, mesh: torch.Tensor) -> torch.Tensor:
-        """This rank's planes of a full mesh (for tests and for starting from a replicated mesh)."""
-        a, b = self.own_planes
-        return mesh[a:b]
+        """This rank's block of a full mesh (for tests and for starting from a replicated mesh)."""
+        (a0, b0), (a1, b1) = self.own_planes, self.own_columns
+        return mesh[a0:b0, a1:b1]
 
     def boxes(self, lo, extent) -> BoxMap:
-        return SlabBoxMap(self, lo, extent)
+        return BlockBoxMap(self, lo, extent)
 
 
-class SlabBoxMap(BoxMap):
-    """A rank's periodic box of mesh points mapped onto the slabs (see the module docstring)."""
+class SlabMeshTransform(PencilMeshTransform):
+    """The pencil transform on the ``P x 1`` grid: slabs of ``x0`` planes, spectrum rows of ``k1``, one transpose."""
 
-    def __init__(self, transform: SlabMeshTransform, lo, extent) -> None:
+    def __init__(self, comm: Comm, sizes) -> None:
+        super().__init__(comm, sizes, (comm.size, 1))
+
+
+# ------------------------------------------------------------------ box <-> blocks
+def _wrapped(lo: int, extent: int, n: int) -> torch.Tensor:
+    return (lo + torch.arange(extent)) % n
+
+
+def _inside(points: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
+    return (points >= bounds[0]) & (points < bounds[1])
+
+
+class BlockBoxMap(BoxMap):
+    """A rank's periodic box of mesh points mapped onto the ranks' blocks (see the module docstring)."""
+
+    def __init__(self, transform: PencilMeshTransform, lo, extent) -> None:
         self.t = transform
         comm, sizes = transform.comm, transform.sizes
         self.extent = tuple(int(e) for e in extent)
         mine = tuple(int(v) for v in lo) + self.extent
         boxes = comm.all_gather_object(mine) if comm.distributed else [mine]
-        me = comm.rank
-        # What my box sends to each slab: its planes inside that slab (box rows, in box order).
-        self.send_rows: dict[int, torch.Tensor] = {}
-        # What each box sends to my slab: flat indices into my slab, in the sender's order.
+        columns = transform.grid[1]
+        starts0, starts1 = _starts(transform.pieces["x0"]), _starts(transform.pieces["x1"])
+        bounds = [
+            ((starts0[i], starts0[i] + transform.pieces["x0"][i]), (starts1[j], starts1[j] + transform.pieces["x1"][j]))
+            for i, j in (divmod(s, columns) for s in range(comm.size))
+        ]
+        # What my box sends to each block: its (x0, x1) lines inside that block, as box indices.
+        self.send_lines: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # What each box sends to my block: flat indices into my block, in the sender's order.
         self.recv_flat: dict[int, torch.Tensor] = {}
-        a_me, b_me = transform.own_planes
+        g0, g1 = _wrapped(mine[0], self.extent[0], sizes[0]), _wrapped(mine[1], self.extent[1], sizes[1])
+        for s, (b0, b1) in enumerate(bounds):
+            lines0, lines1 = _inside(g0, b0).nonzero()[:, 0], _inside(g1, b1).nonzero()[:, 0]
+            if lines0.numel() and lines1.numel() and self.extent[2]:
+                self.send_lines[s] = (lines0, lines1)
+        (a0, _), (a1, b1) = bounds[comm.rank]
         for r, box in enumerate(boxes):
             lo_r, ext_r = box[:3], box[3:]
-            g0 = (lo_r[0] + torch.arange(ext_r[0])) % sizes[0]
-            if r == me:
-                for s in range(comm.size):
-                    a, b = transform.plane_start[s], transform.plane_start[s] + transform.planes[s]
-                    rows = ((g0 >= a) & (g0 < b)).nonzero()[:, 0]
-                    if rows.numel() and ext_r[1] * ext_r[2]:
-                        self.send_rows[s] = rows
-            inside = (g0 >= a_me) & (g0 < b_me)
-            if bool(inside.any()) and ext_r[1] * ext_r[2]:
-                self.recv_flat[r] = box_flat_index(lo_r, ext_r, (b_me - a_me, sizes[1], sizes[2]), first_axis=g0[inside] - a_me)
+            h0, h1 = _wrapped(lo_r[0], ext_r[0], sizes[0]), _wrapped(lo_r[1], ext_r[1], sizes[1])
+            in0, in1 = h0[_inside(h0, bounds[comm.rank][0])], h1[_inside(h1, bounds[comm.rank][1])]
+            if in0.numel() and in1.numel() and ext_r[2]:
+                h2 = _wrapped(lo_r[2], ext_r[2], sizes[2])
+                self.recv_flat[r] = ((in0 - a0)[:, None, None] * (b1 - a1) + (in1 - a1)[None, :, None]) * sizes[2] + h2[None, None, :]
 
     def _scatter_sum(self, box: torch.Tensor) -> torch.Tensor:
-        """Box values -> my slab, each mesh point summed over all boxes holding it."""
+        """Box values -> my block, each mesh point summed over all boxes holding it."""
         t = self.t
-        sends = {s: box[rows.to(box.device)] for s, rows in self.send_rows.items()}
+        sends = {s: box[i0.to(box.device)[:, None], i1.to(box.device)[None, :]] for s, (i0, i1) in self.send_lines.items()}
         shapes = {r: tuple(flat.shape) for r, flat in self.recv_flat.items()}
         got = t.comm.exchange(sends, shapes, box.dtype, box.device)
-        a, b = t.own_planes
-        slab = box.new_zeros((b - a) * t.sizes[1] * t.sizes[2])
+        shape = t.real_shape()
+        block = box.new_zeros(shape[0] * shape[1] * shape[2])
         for r, flat in self.recv_flat.items():
-            slab.index_add_(0, flat.to(box.device).reshape(-1), got[r].reshape(-1))
-        return slab.reshape(b - a, t.sizes[1], t.sizes[2])
+            block.index_add_(0, flat.to(box.device).reshape(-1), got[r].reshape(-1))
+        return block.reshape(shape)
 
-    def _gather(self, slab: torch.Tensor) -> torch.Tensor:
-        """My slab -> every box's values at its points (the adjoint of :meth:`_scatter_sum`)."""
-        t = self.t
-        flat_slab = slab.reshape(-1)
-        sends = {r: flat_slab[flat.to(slab.device).reshape(-1)].reshape(flat.shape) for r, flat in self.recv_flat.items()}
-        shapes = {s: (rows.numel(),) + self.extent[1:] for s, rows in self.send_rows.items()}
-        got = t.comm.exchange(sends, shapes, slab.dtype, slab.device)
-        box = slab.new_zeros(self.extent)
-        for s, rows in self.send_rows.items():
-            box[rows.to(slab.device)] = got[s]
+    def _gather(self, block: torch.Tensor) -> torch.Tensor:
+        """My block -> every box's values at its points (the adjoint of :meth:`_scatter_sum`)."""
+        flat_block = block.reshape(-1)
+        sends = {r: flat_block[flat.to(block.device).reshape(-1)].reshape(flat.shape) for r, flat in self.recv_flat.items()}
+        shapes = {s: (i0.numel(), i1.numel(), self.extent[2]) for s, (i0, i1) in self.send_lines.items()}
+        got = self.t.comm.exchange(sends, shapes, block.dtype, block.device)
+        box = block.new_zeros(self.extent)
+        for s, (i0, i1) in self.send_lines.items():
+            box[i0.to(block.device)[:, None], i1.to(block.device)[None, :]] = got[s]
         return box
 
     def to_mesh(self, box: torch.Tensor) -> torch.Tensor:
-        return _BoxToSlab.apply(box, self)
+        return _BoxToBlock.apply(box, self)
 
     def from_mesh(self, mesh: torch.Tensor) -> torch.Tensor:
-        return _SlabToBox.apply(mesh, self)
+        return _BlockToBox.apply(mesh, self)
 
 
-class _BoxToSlab(torch.autograd.Function):
+class _BoxToBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, box, boxmap: SlabBoxMap):
+    def forward(ctx, box, boxmap: BlockBoxMap):
         ctx.boxmap = boxmap
         return boxmap._scatter_sum(box)
 
@@ -227,11 +395,11 @@ class _BoxToSlab(torch.autograd.Function):
         return ctx.boxmap._gather(grad.contiguous()), None
 
 
-class _SlabToBox(torch.autograd.Function):
+class _BlockToBox(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, slab, boxmap: SlabBoxMap):
+    def forward(ctx, block, boxmap: BlockBoxMap):
         ctx.boxmap = boxmap
-        return boxmap._gather(slab)
+        return boxmap._gather(block)
 
     @staticmethod
     def backward(ctx, grad):

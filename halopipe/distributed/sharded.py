@@ -28,7 +28,7 @@ from ..geometry import Geometry, Partition, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
 from ..system import System
 from .comm import Comm
-from .fft import SlabMeshTransform
+from .fft import PencilMeshTransform, distributed_mesh_transform
 from .halo import HaloGather, HaloPlan
 
 __all__ = ["ShardedSystem"]
@@ -50,7 +50,7 @@ class ShardedSystem(Domain):
         self._width = -1.0
         self._ref: torch.Tensor | None = None
         self._ref_cell: torch.Tensor | None = None
-        self._mesh_transforms: dict[tuple[int, int, int], SlabMeshTransform] = {}
+        self._mesh_transforms: dict[tuple, PencilMeshTransform] = {}
 
     # ------------------------------------------------------------- creation
     @classmethod
@@ -137,11 +137,11 @@ class ShardedSystem(Domain):
     def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return self.comm.all_reduce(x, op)
 
-    def mesh_transform(self, sizes) -> SlabMeshTransform:
-        """The slab-decomposed FFT of a mesh of ``sizes`` over this system's ranks (cached per size)."""
-        key = tuple(int(n) for n in sizes)
+    def mesh_transform(self, sizes, decomposition: str = "auto") -> PencilMeshTransform:
+        """The FFT of a mesh of ``sizes`` over this system's ranks, in slabs or pencils (cached; see :mod:`.fft`)."""
+        key = (tuple(int(n) for n in sizes), decomposition)
         if key not in self._mesh_transforms:
-            self._mesh_transforms[key] = SlabMeshTransform(self.comm, key)
+            self._mesh_transforms[key] = distributed_mesh_transform(self.comm, key[0], decomposition)
         return self._mesh_transforms[key]
 
     def agree(self, problem: str | None) -> None:

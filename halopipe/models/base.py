@@ -73,8 +73,9 @@ class LocalView:
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
-    mesh_transform : ``sizes -> MeshTransform``, the 3-D FFT of a periodic
-        mesh shared by all ranks (:mod:`halopipe.meshfft`; local on one process).
+    mesh_transform : ``(sizes, decomposition="auto") -> MeshTransform``, the
+        3-D FFT of a periodic mesh shared by all ranks in slabs or pencils
+        (:mod:`halopipe.meshfft`; local on one process).
     n_total : number of atoms in the whole system.
     ids : (R,) global atom index of each row (owner's index for ghosts).
     half_list : ``pairs`` is a half candidate list (given to models that set

@@ -37,12 +37,15 @@ mesh and interpolates at its owned atoms. Memory ``O(M)`` and FFT
 numbers per step.
 
 ``mesh="distributed"``: ``view.mesh_transform(sizes)`` (see
-:mod:`halopipe.meshfft`) shares the mesh in slabs. Each rank spreads its owned
+:mod:`halopipe.meshfft`) shares the mesh in slabs or pencils
+(:mod:`halopipe.distributed.fft` picks: pencils when the ranks outnumber the
+mesh's first dimension or when they send fewer messages; ``mesh="slab"`` or
+``mesh="pencil"`` forces one). Each rank spreads its owned
 charges onto the periodic box of mesh points their B-splines touch (its
-region plus an ``order``-wide ghost layer); the box values go to the slab
-owners and are summed there; the slab FFT (local 1-D FFTs, all-to-all
+region plus an ``order``-wide ghost layer); the box values go to the block
+owners and are summed there; the distributed FFT (local 1-D FFTs, all-to-all
 transposes) gives each rank its k-points, where ``G(m)`` is applied; the
-inverse comes back to the slabs and each rank reads its box back and
+inverse comes back to the blocks and each rank reads its box back and
 interpolates at its owned atoms. Every step has its adjoint as backward, so
 energy, forces, stress and ``dE/dq`` equal the replicated mesh to rounding,
 and memory and bytes per rank are ``O(M / P)`` plus the box.
@@ -70,7 +73,7 @@ __all__ = ["PME", "mesh_size", "default_mesh_spacing", "bspline_influence"]
 
 _MAX_ORDER = 5  # torch-pme's B-spline ("P3M") interpolator supports orders 1..5
 _MIN_ORDER = 3  # orders 1-2 give discontinuous forces and need absurdly fine meshes
-_MESH_MODES = ("auto", "replicated", "distributed")
+_MESH_MODES = ("auto", "replicated", "distributed", "slab", "pencil")  # the last two force a decomposition
 # PME(mesh="auto") crossover by number of ranks sharing the mesh, measured with benchmarks/pme_mesh.py
 # (docs/benchmarks.md): on 2 ranks the distributed mesh sends slightly more bytes than the all-reduce and
 # saves memory and time from 64^3; on 4 or more it sends fewer bytes and uses less memory from 32^3.
@@ -181,10 +184,13 @@ class PME(SplitCoulomb):
     alpha : splitting parameter override, 1/Å.
     mesh : how the mesh is shared between ranks: ``"replicated"`` (every rank
         holds the whole mesh; one all-reduce of it), ``"distributed"`` (slabs
-        of the mesh per rank, FFT with all-to-all transposes; memory
-        ``O(M / P)``) or ``"auto"`` (distributed when the ranks sharing the
-        mesh and its size pass the measured ``DISTRIBUTED_MESH_MIN_POINTS``
-        crossover). The two give the same result to rounding.
+        or pencils of the mesh per rank, chosen by
+        :func:`halopipe.distributed.fft.choose_grid`, FFT with all-to-all
+        transposes; memory ``O(M / P)``), ``"slab"`` or ``"pencil"``
+        (distributed with that decomposition) or ``"auto"`` (distributed when
+        the ranks sharing the mesh and its size pass the measured
+        ``DISTRIBUTED_MESH_MIN_POINTS`` crossover). All give the same result
+        to rounding.
 
     Accuracy and LAMMPS
     -------------------
@@ -263,7 +269,8 @@ class PME(SplitCoulomb):
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
         sizes = self.mesh(view.cell)
-        transform = view.mesh_transform(sizes) if view.mesh_transform is not None else None
+        decomposition = self.mesh_mode if self.mesh_mode in ("slab", "pencil") else "auto"
+        transform = view.mesh_transform(sizes, decomposition) if view.mesh_transform is not None else None
         if transform is not None and self._distributes(transform):
             return self._reciprocal_distributed(view, q_owned, transform)
         return self._reciprocal_replicated(view, q_owned, sizes)
@@ -273,7 +280,7 @@ class PME(SplitCoulomb):
         if self.mesh_mode == "auto":
             thresholds = [points for ranks, points in DISTRIBUTED_MESH_MIN_POINTS.items() if transform.parts >= ranks]
             return bool(thresholds) and math.prod(transform.sizes) >= min(thresholds)
-        return self.mesh_mode == "distributed"
+        return self.mesh_mode != "replicated"
 
     def _influence_at(self, m0: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, sizes, dtype, device) -> torch.Tensor:
         """``1 / |b(m)|^2`` at the integer frequencies ``m0, m1, m2`` (broadcast)."""
@@ -295,7 +302,7 @@ class PME(SplitCoulomb):
         return 0.5 * q_owned * phi
 
     def _reciprocal_distributed(self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
-        """Spread onto this rank's support box, FFT over the ranks' slabs, filter owned k-points, interpolate back."""
+        """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
         cell, sizes = view.cell, transform.sizes
         stencil = _Stencil(cell, view.positions[: view.n_owned], sizes, self.order)
         boxmap = transform.boxes(stencil.lo, stencil.extent)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from halopipe.distributed import Comm
-from halopipe.distributed.fft import SlabMeshTransform
+from halopipe.distributed.fft import PencilMeshTransform, SlabMeshTransform
 
 
 def _full(sizes, seed: int) -> torch.Tensor:
@@ -30,22 +30,28 @@ def _reference_loss(full: torch.Tensor, weight: torch.Tensor, kernel: torch.Tens
     return (weight * spec.abs() ** 2).sum() + (probe * back**2).sum()
 
 
-def fft_case(sizes) -> dict:
-    """Errors of the slab transform (values, inverse, gradients) against torch.fft on the full mesh."""
+def _transform(comm: Comm, sizes, grid) -> PencilMeshTransform:
+    return SlabMeshTransform(comm, sizes) if grid is None else PencilMeshTransform(comm, sizes, grid)
+
+
+def fft_case(sizes, grid=None) -> dict:
+    """Errors of the transform on ``grid`` (slab when None) against torch.fft on the full mesh; its traffic."""
     comm = Comm()
-    t = SlabMeshTransform(comm, sizes)
+    t = _transform(comm, sizes, grid)
     full = _full(sizes, 1)
     h = sizes[2] // 2 + 1
     weight, kernel, probe = _full((sizes[0], sizes[1], h), 2), _full((sizes[0], sizes[1], h), 3), _full(sizes, 4)
-    c, d = t.own_rows
-    a, b = t.own_planes
+    k = (slice(None), slice(*t.own_rows), slice(*t.own_k2))  # this rank's k-points
+    x = (slice(*t.own_planes), slice(*t.own_columns))  # this rank's real-space block
 
-    slab = full[a:b].clone().requires_grad_(True)
-    spec = t.forward(slab)
+    block = t.scatter_full(full).clone().requires_grad_(True)
+    before = (comm.all_to_all_bytes, comm.messages_sent)
+    spec = t.forward(block)
+    forward_traffic = (comm.all_to_all_bytes - before[0], comm.messages_sent - before[1])
     back_plain = t.inverse(spec)
-    back = t.inverse(spec * kernel[:, c:d])
-    share = (weight[:, c:d] * spec.abs() ** 2).sum() + (probe[a:b] * back**2).sum()
-    (grad,) = torch.autograd.grad(share, slab)
+    back = t.inverse(spec * kernel[k])
+    share = (weight[k] * spec.abs() ** 2).sum() + (probe[x] * back**2).sum()
+    (grad,) = torch.autograd.grad(share, block)
     total = comm.all_reduce(share.detach())
 
     ref_full = full.clone().requires_grad_(True)
@@ -54,28 +60,30 @@ def fft_case(sizes) -> dict:
     ref_spec = torch.fft.rfftn(full, dim=(0, 1, 2))
     scale = float(ref_spec.abs().max())
     return {
+        "grid": t.grid,
         "shape": tuple(spec.shape),
-        "spectrum": float((spec.detach() - ref_spec[:, c:d]).abs().max()) / scale if spec.numel() else 0.0,
-        "roundtrip": float((back_plain - full[a:b] * full.numel()).abs().max()) / full.numel() if back_plain.numel() else 0.0,
+        "points": block.numel(),
+        "spectrum": float((spec.detach() - ref_spec[k]).abs().max()) / scale if spec.numel() else 0.0,
+        "roundtrip": float((back_plain.detach() - full[x] * full.numel()).abs().max()) / full.numel() if back_plain.numel() else 0.0,
         "loss_rel": abs(float(total) - float(ref_loss)) / abs(float(ref_loss)),
-        "grad_rel": float((grad - ref_grad[a:b]).abs().max()) / float(ref_grad.abs().max()) if grad.numel() else 0.0,
-        "bytes_sent": comm.bytes_sent,
+        "grad_rel": float((grad - ref_grad[x]).abs().max()) / float(ref_grad.abs().max()) if grad.numel() else 0.0,
+        "forward_bytes": forward_traffic[0],
+        "forward_messages": forward_traffic[1],
     }
 
 
-def box_case(sizes) -> dict:
-    """Errors of the box <-> slab maps against a full-mesh periodic sum; gradients via autograd."""
+def box_case(sizes, grid=None) -> dict:
+    """Errors of the box <-> block maps against a full-mesh periodic sum; gradients via autograd."""
     comm = Comm()
-    t = SlabMeshTransform(comm, sizes)
-    a, b = t.own_planes
+    t = _transform(comm, sizes, grid)
     boxes = [_box(r, sizes) for r in range(comm.size)]
     lo, extent, values = boxes[comm.rank]
     weight = _full(sizes, 5)
 
     box = values.clone().requires_grad_(True)
     boxmap = t.boxes(lo, extent)
-    slab = boxmap.to_mesh(box)
-    read = boxmap.from_mesh(slab * weight[a:b])
+    block = boxmap.to_mesh(box)
+    read = boxmap.from_mesh(block * t.scatter_full(weight))
     share = (read**2).sum()
     (grad,) = torch.autograd.grad(share, box)
     total = comm.all_reduce(share.detach())
@@ -92,17 +100,40 @@ def box_case(sizes) -> dict:
         ref_total = ref_total + ((full * weight)[idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :]] ** 2).sum()
     ref_grad = torch.autograd.grad(ref_total, leaves)[comm.rank]
     return {
-        "slab": float((slab.detach() - full.detach()[a:b]).abs().max()) if slab.numel() else 0.0,
+        "block": float((block.detach() - t.scatter_full(full.detach())).abs().max()) if block.numel() else 0.0,
         "loss_rel": abs(float(total) - float(ref_total)) / abs(float(ref_total)),
         "grad_rel": float((grad - ref_grad).abs().max()) / float(ref_grad.abs().max()),
     }
 
 
 def run_fft_cases(cases: list) -> list:
-    return [fft_case(sizes) for sizes in cases] + [box_case(sizes) for sizes in cases]
+    """``cases``: ``(sizes, grid)`` pairs (grid None: the slab transform)."""
+    return [fft_case(sizes, grid) for sizes, grid in cases] + [box_case(sizes, grid) for sizes, grid in cases]
 
 
-# ----------------------------------------------------------------- PME on slabs
+def pencil_failure(grid) -> tuple[str, float]:
+    """Rank 3 fails while the others wait in the row and column transposes: the seconds until each rank raised."""
+    import time
+
+    from halopipe.distributed import DistributedError
+
+    comm = Comm(timeout=60)
+    t = PencilMeshTransform(comm, (6, 5, 4), grid)
+    block = t.scatter_full(_full((6, 5, 4), 1))
+    t.forward(block)  # the row and column groups exist from here on
+    start = time.monotonic()
+    try:
+        with comm.guard("a pencil transform"):
+            if comm.rank == 3:
+                raise ValueError("pencil rank failed on purpose")
+            t.inverse(t.forward(block))
+        message = "no error"
+    except DistributedError as exc:
+        message = str(exc)
+    return message, time.monotonic() - start
+
+
+# ----------------------------------------------------------------- PME on slabs and pencils
 def _pme_pipelines(mode: str, sizes, config) -> dict:
     from halopipe import ChargeModel, Group, Pipeline, Step
     from halopipe.models.pme import PME
@@ -117,8 +148,8 @@ def _pme_pipelines(mode: str, sizes, config) -> dict:
     }
 
 
-def pme_case(grid, sizes) -> dict | None:
-    """Distributed-mesh PME under domain decomposition vs the replicated mesh on one process."""
+def pme_case(grid, sizes, mesh: str = "distributed") -> dict | None:
+    """Distributed-mesh PME (``mesh``: distributed, slab or pencil) under domain decomposition vs the replicated mesh on one process."""
     from halopipe.distributed import DomainConfig, ShardedSystem
 
     from ._workers import make_system, rank
@@ -127,12 +158,13 @@ def pme_case(grid, sizes) -> dict | None:
     config = DomainConfig(grid=grid, timeout=60)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
     gathered = {}
-    for name, pipeline in _pme_pipelines("distributed", sizes, config).items():
+    for name, pipeline in _pme_pipelines(mesh, sizes, config).items():
         out = pipeline(sharded, stress=True)
         gathered[name] = (out, sharded.gather(out["forces"]))
+    process_grid = sharded.mesh_transform(sizes, mesh if mesh in ("slab", "pencil") else "auto").grid  # cached: the one used
     if rank() != 0:
         return None
-    result = {}
+    result = {"process_grid": process_grid}
     for name, pipeline in _pme_pipelines("replicated", sizes, config).items():
         out, forces = gathered[name]
         ref = pipeline(system, stress=True, decompose=False)
@@ -173,3 +205,25 @@ def gather_case() -> dict:
         out["numbers_equal"] = bool((whole.numbers == system.numbers).all())
         out["masses"] = float((whole.masses - system.masses).abs().max())
     return out
+
+
+# ------------------------------------------------------------ sub-communicators
+def split_case() -> dict:
+    """On 4 ranks: the parts [0, 2] and [1, 3] reduce, exchange, broadcast and gather among themselves only."""
+    comm = Comm()
+    part = comm.split([[0, 2], [1, 3]])
+    me = torch.tensor([float(comm.rank)])
+    peer = 1 - part.rank
+    got = part.exchange({peer: me * 10}, {peer: (1,)}, me.dtype, me.device)[peer]
+    sent_before = comm.bytes_sent
+    total = part.all_reduce(me)
+    rows = part.gather_rows(torch.full((comm.rank + 1, 2), float(comm.rank)), root=1)
+    return {
+        "sub_rank": part.rank,
+        "sum": float(total[0]),
+        "from_peer": float(got[0]),
+        "broadcast": float(part.broadcast(me if part.rank == 1 else None, (1,), me.dtype, me.device, src=1)[0]),
+        "gathered": None if rows is None else rows[:, 0].tolist(),
+        "parent_counted": comm.bytes_sent - sent_before,
+        "again_cached": comm.split([[0, 2], [1, 3]]).group is part.group,
+    }

@@ -1,7 +1,10 @@
-"""PME with the distributed (slab) mesh under domain decomposition equals the replicated mesh on one process.
+"""PME with the distributed mesh (slabs or pencils) under domain decomposition equals the replicated mesh on one process.
 
-Mesh sizes do not divide by the number of ranks; on 8 ranks one mesh has
-fewer planes (6) than ranks, so some ranks hold no plane. Energy, forces and
+Mesh sizes do not divide by the process grid. ``mesh="distributed"`` lets
+the FFT pick its grid (``choose_grid``): slabs on 2 and 3 ranks, pencils on 4,
+6 and 8; on 8 ranks one mesh has fewer planes (6) than ranks, where only
+pencils balance. ``mesh="slab"`` and ``mesh="pencil"`` force the other
+choice, so both decompositions run on 2, 4 and 8 ranks. Energy, forces and
 stress are compared for fixed charges and for position-dependent charges
 (ChargeModel -> PME), whose forces carry dE/dq.
 """
@@ -12,21 +15,36 @@ from halopipe.distributed.launch import spawn
 
 from ._fft_workers import run_pme_cases
 
+# Each case: domain grid, mesh sizes, PME mesh mode, and the FFT process grid (Pr, Pc) it must run on.
 CASES = {
-    1: [dict(grid=(1, 1, 1), sizes=(15, 10, 12))],
-    2: [dict(grid=(2, 1, 1), sizes=(15, 10, 12)), dict(grid=(1, 1, 2), sizes=(9, 11, 10))],
-    3: [dict(grid=(3, 1, 1), sizes=(10, 10, 12)), dict(grid=(1, 3, 1), sizes=(16, 10, 9))],
-    4: [dict(grid=(2, 2, 1), sizes=(15, 10, 12))],
-    6: [dict(grid=(3, 2, 1), sizes=(16, 10, 9))],
-    8: [dict(grid=(2, 2, 2), sizes=(15, 10, 12)), dict(grid=(2, 2, 2), sizes=(6, 9, 10))],
+    1: [dict(grid=(1, 1, 1), sizes=(15, 10, 12), mesh="distributed", fft=(1, 1))],
+    2: [
+        dict(grid=(2, 1, 1), sizes=(15, 10, 12), mesh="distributed", fft=(2, 1)),
+        dict(grid=(1, 1, 2), sizes=(9, 11, 10), mesh="pencil", fft=(1, 2)),
+    ],
+    3: [
+        dict(grid=(3, 1, 1), sizes=(10, 10, 12), mesh="distributed", fft=(1, 3)),
+        dict(grid=(1, 3, 1), sizes=(16, 10, 9), mesh="distributed", fft=(3, 1)),
+    ],
+    4: [
+        dict(grid=(2, 2, 1), sizes=(15, 10, 12), mesh="distributed", fft=(2, 2)),
+        dict(grid=(2, 2, 1), sizes=(15, 10, 12), mesh="slab", fft=(4, 1)),
+    ],
+    6: [dict(grid=(3, 2, 1), sizes=(16, 10, 9), mesh="distributed", fft=(3, 2))],
+    8: [
+        dict(grid=(2, 2, 2), sizes=(6, 9, 10), mesh="distributed", fft=(2, 4)),
+        dict(grid=(2, 2, 2), sizes=(15, 10, 12), mesh="slab", fft=(8, 1)),
+    ],
 }
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_distributed_mesh_equals_replicated(world_size):
-    results = spawn(run_pme_cases, world_size, CASES[world_size], timeout=360)[0]
+    cases = [{k: v for k, v in case.items() if k != "fft"} for case in CASES[world_size]]
+    results = spawn(run_pme_cases, world_size, cases, timeout=360)[0]
     for case, r in zip(CASES[world_size], results):
+        assert r["process_grid"] == case["fft"], (world_size, case, r["process_grid"])
         for name in ("fixed_charges", "charge_model"):
             label = (world_size, case, name, r[name])
             assert r[name]["energy_rel"] < 1e-12, label

@@ -38,7 +38,7 @@ def _view(positions: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor) ->
         global_sum=lambda x: x,
         n_total=n,
         ids=torch.arange(n),
-        mesh_transform=LocalMeshTransform,
+        mesh_transform=lambda sizes, decomposition="auto": LocalMeshTransform(sizes),
     )
 
 
@@ -90,8 +90,19 @@ def test_auto_mode_follows_the_measured_crossover():
     assert not pme._distributes(_Parts(4, (24, 24, 24))) and pme._distributes(_Parts(4, (32, 32, 32)))
     assert PME(cutoff=5.0, mesh="distributed")._distributes(_Parts(1, (8, 8, 8)))
     assert not PME(cutoff=5.0, mesh="replicated")._distributes(_Parts(8, (128, 128, 128)))
+    assert all(PME(cutoff=5.0, mesh=forced)._distributes(_Parts(2, (8, 8, 8))) for forced in ("slab", "pencil"))
 
 
 def test_unknown_mesh_mode_is_a_clear_error():
     with pytest.raises(ValueError, match="mesh must be one of"):
-        PME(cutoff=5.0, mesh="slab")
+        PME(cutoff=5.0, mesh="cubes")
+
+
+def test_config_schema_offers_every_mesh_mode():
+    from typing import get_args
+
+    from halopipe.config.models import PMESpec
+    from halopipe.models.pme import _MESH_MODES
+
+    literal = next(a for a in get_args(PMESpec.model_fields["mesh"].annotation) if a is not type(None))
+    assert set(get_args(literal)) == set(_MESH_MODES)
