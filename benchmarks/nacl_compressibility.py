@@ -81,11 +81,13 @@ def main() -> None:
     pipeline = nacl_pipeline()
     curve = StaticCurve(pipeline)
     b0 = curve.bulk_modulus(curve.v0)
-    print(f"static curve: a0 = {curve.lattice_constant:.4f} Å, V0 = {curve.v0:.2f} Å³, B0 = {b0:.5f} eV/Å³ ({b0 * EV_PER_A3_TO_GPA:.2f} GPa), fit residual {curve.residual:.1e} eV")
+    print(f"static curve: a0 = {curve.lattice_constant:.4f} Å, V0 = {curve.v0:.2f} Å³, fit residual {curve.residual:.1e} eV")
+    print(f"B0 = {b0:.5f} eV/Å³ ({b0 * EV_PER_A3_TO_GPA:.2f} GPa)")
 
     t, dt = args.temperature, args.dt
     if args.barostat == "csr":
-        integrator = StochasticCellRescaling(dt, t, 0.0, compressibility=BAR_TO_EV_PER_A3 / b0, taup=args.taup, friction=0.01, seed=args.seed)
+        beta = BAR_TO_EV_PER_A3 / b0  # 1/bar
+        integrator = StochasticCellRescaling(dt, t, 0.0, compressibility=beta, taup=args.taup, friction=0.01, seed=args.seed)
         euler = 0.5 * dt / args.taup  # Euler-Maruyama: <dV²> too large by 1/(1 - dt/(2 tau_eff)), tau_eff = taup here
         print(f"CSR: dt = {dt} fs, taup = {args.taup} fs, compressibility 1/B0; expected Euler excess in kappa: {euler / (1 - euler):.2%}")
     else:
@@ -104,7 +106,8 @@ def main() -> None:
     print(f"ratio fluctuation/static: {kappa / reference:.4f} +- {error / reference:.4f}")
     if args.qha:
         b_qh = quasi_harmonic_bulk_modulus(curve, mean_volume, t)
-        print(f"quasi-harmonic B at <V>: {b_qh * EV_PER_A3_TO_GPA:.2f} GPa; kappa_qh/kappa_static = {curve.bulk_modulus(mean_volume) / b_qh:.4f}")
+        ratio = curve.bulk_modulus(mean_volume) / b_qh
+        print(f"quasi-harmonic B at <V>: {b_qh * EV_PER_A3_TO_GPA:.2f} GPa; kappa_qh/kappa_static = {ratio:.4f}")
 
 
 if __name__ == "__main__":
