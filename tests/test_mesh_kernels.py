@@ -33,7 +33,7 @@ def backend(request, monkeypatch):
     """Run a test once with each kernel technology (Warp skipped where it does not load)."""
     monkeypatch.setenv("HALOPIPE_KERNELS", request.param)
     _clear_kernel_caches()
-    if request.param == "warp" and mesh_kernels.mesh_kernel("spread") is None:
+    if request.param == "warp" and mesh_kernels.compiled_kernels(5) is None:
         pytest.skip("NVIDIA Warp is not available here")
     yield request.param
     _clear_kernel_caches()
@@ -42,7 +42,7 @@ def backend(request, monkeypatch):
 def _clear_kernel_caches() -> None:
     """Forget the loaded kernels, so that the next call reads HALOPIPE_KERNELS again (PME also runs the pair kernels)."""
     kernel_backend_module.warp_module.cache_clear()
-    mesh_kernels.mesh_kernel.cache_clear()
+    mesh_kernels.compiled_kernels.cache_clear()
     pair_kernels.warp_kernel.cache_clear()
 
 
@@ -168,7 +168,7 @@ def test_warp_matches_eager_torch(monkeypatch, order):
     for name in ("warp", "torch"):
         monkeypatch.setenv("HALOPIPE_KERNELS", name)
         _clear_kernel_caches()
-        if name == "warp" and mesh_kernels.mesh_kernel("spread") is None:
+        if name == "warp" and mesh_kernels.compiled_kernels(5) is None:
             pytest.skip("NVIDIA Warp is not available here")
         results[name] = _objective(*_kernel_ops(order, box), cell, positions, q, box_values, atom_weights, probe)
     _clear_kernel_caches()
@@ -230,6 +230,8 @@ def test_bad_input_is_refused():
         interpolate_mesh(u, torch.zeros(3, 3, 3, dtype=torch.float64), first, SplineBox(4, SIZES))
     with pytest.raises(ValueError, match="order must be 1..6"):
         SplineBox(7, SIZES)
+    with pytest.raises(ValueError, match="at least order"):
+        SplineBox(5, (12, 4, 10))
 
 
 # ------------------------------------------------------------------ PME with the kernels

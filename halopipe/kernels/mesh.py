@@ -58,6 +58,8 @@ class SplineBox:
         if not 1 <= self.order <= MAX_ORDER:
             raise ValueError(f"SplineBox: order must be 1..{MAX_ORDER}, got {self.order}")
         object.__setattr__(self, "sizes", tuple(int(n) for n in self.sizes))
+        if min(self.sizes) < self.order:
+            raise ValueError(f"SplineBox: every mesh axis needs at least order ({self.order}) points, got {self.sizes}")
         object.__setattr__(self, "lo", tuple(int(x) for x in self.lo))
         object.__setattr__(self, "extent", self.sizes if self.extent is None else tuple(int(e) for e in self.extent))
 
@@ -138,16 +140,18 @@ def _torch_gather(u, first, mesh, box: SplineBox) -> tuple[torch.Tensor, torch.T
 
 # ----------------------------------------------------------------- Warp
 @functools.cache
-def mesh_kernel(name: str):
-    """The compiled Warp kernel ``name`` of :mod:`._warp_mesh`, or None (with a warning) when Warp cannot build it."""
+def compiled_kernels(order: int):
+    """The compiled Warp ``(spread, gather)`` of ``order`` (:mod:`._warp_mesh`), or None (with a warning) when Warp cannot build them."""
     wp = warp_module()
     if wp is None:
         return None
     try:
-        from . import _warp_mesh
+        from ._warp_mesh import mesh_kernels
 
-        wp.load_module(_warp_mesh, device="cpu")
-        return getattr(_warp_mesh, name)
+        kernels = mesh_kernels(order)
+        for kernel in kernels:
+            wp.load_module(kernel.module, device="cpu")
+        return kernels
     except Exception as exc:  # no compiler, unsupported platform: fall back, never crash
         warnings.warn(f"halopipe: Warp mesh kernel build failed ({exc}); PME spreading runs in eager torch", stacklevel=2)
         return None
@@ -166,36 +170,39 @@ def _launch(kernel, u, first, box: SplineBox, inputs: list, outputs: list) -> No
             return wp.from_torch(x, dtype=wp.vec3i if x.dtype == torch.int32 else wp.vec3d)
         return wp.from_torch(x)
 
-    geometry = [box.order, wp.vec3i(*box.sizes), wp.vec3i(*box.lo), wp.vec3i(*box.extent)]
+    geometry = [wp.vec3i(*box.sizes), wp.vec3i(*box.lo), wp.vec3i(*box.extent)]
     args = [as_warp(u), as_warp(first)] + [as_warp(x) for x in inputs]
     # The mesh geometry follows the atom inputs in both kernels' signatures.
     wp.launch(kernel, dim=u.shape[0], inputs=args + geometry, outputs=[as_warp(x) for x in outputs], device=device, stream=stream)
 
 
-def _use_warp(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float64 for t in tensors) and mesh_kernel("spread") is not None
+def _warp_kernels(u: torch.Tensor, box: SplineBox):
+    """Warp's ``(spread, gather)`` for this call, or None for the eager twin (not float64, or no Warp)."""
+    return compiled_kernels(box.order) if u.dtype == torch.float64 else None
 
 
 def spread_values(u: torch.Tensor, first: torch.Tensor, q: torch.Tensor, box: SplineBox) -> torch.Tensor:
     """Flat box ``(prod(extent),)`` of ``sum_i q_i W_i(g)`` (no autograd)."""
     u, q, first = u.detach().contiguous(), q.detach().to(u.dtype).contiguous(), first.contiguous()
-    if not _use_warp(u):
+    kernels = _warp_kernels(u, box)
+    if kernels is None:
         return _torch_spread(u, first, q, box)
     out = torch.zeros(box.points, dtype=u.dtype, device=u.device)
     if u.shape[0]:
-        _launch(mesh_kernel("spread"), u, first, box, [q], [out])
+        _launch(kernels[0], u, first, box, [q], [out])
     return out
 
 
 def gather_values(u: torch.Tensor, first: torch.Tensor, mesh: torch.Tensor, box: SplineBox) -> tuple[torch.Tensor, torch.Tensor]:
     """``phi_i = sum_g W_i(g) mesh[g]`` ``(N,)`` and ``d phi_i / d u_i`` ``(N, 3)`` of a flat box (no autograd)."""
     u, mesh, first = u.detach().contiguous(), mesh.detach().to(u.dtype).reshape(-1).contiguous(), first.contiguous()
-    if not _use_warp(u):
+    kernels = _warp_kernels(u, box)
+    if kernels is None:
         return _torch_gather(u, first, mesh, box)
     values = torch.empty(u.shape[0], dtype=u.dtype, device=u.device)
     gradients = torch.empty_like(u)
     if u.shape[0]:
-        _launch(mesh_kernel("gather"), u, first, box, [mesh], [values, gradients])
+        _launch(kernels[1], u, first, box, [mesh], [values, gradients])
     return values, gradients
 
 
