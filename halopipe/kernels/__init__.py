@@ -8,6 +8,8 @@ is set; both give the same numbers to rounding. A kernel returns energies,
 forces (and ``dE/dq`` where charges are an input) in one pass over a half
 list; :class:`torch.autograd.Function` wrappers turn these into an analytic
 backward, so kernel models also work in autograd groups and wired chains.
+PME's B-spline charge spreading and mesh interpolation (:mod:`.mesh`) follow
+the same pattern, with one thread per atom.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from .backend import kernel_backend
 from .ewald import real_space_energies_autograd, real_space_terms
 from .lennard_jones import LJTables, lj_energies_autograd, lj_energy_forces
+from .mesh import SplineBox, interpolate_mesh, mesh_coordinates, spread_charges, support_start
 from .pairs import HalfList
 
 __all__ = [
@@ -25,4 +28,9 @@ __all__ = [
     "lj_energies_autograd",
     "real_space_terms",
     "real_space_energies_autograd",
+    "SplineBox",
+    "mesh_coordinates",
+    "support_start",
+    "spread_charges",
+    "interpolate_mesh",
 ]

@@ -21,11 +21,11 @@ self and background terms are those of Ewald. Energy, forces and stress are
 smooth (B-splines of order ``p`` are ``p - 2`` times continuously
 differentiable) and exact derivatives of the discrete energy, via autograd.
 
-Spreading and interpolation use :class:`torchpme.lib.MeshInterpolator` in its
-``"P3M"`` mode (its weights are the centred cardinal B-splines of SPME,
-orders 1 to 5); the FFT convolution uses :class:`torchpme.lib.KSpaceFilter`
-with the SPME kernel above. Both are differentiable in positions and cell and
-run in float64.
+Spreading and interpolation are compiled kernels (:mod:`halopipe.kernels.mesh`:
+the centred cardinal B-splines of SPME, torch-pme's ``"P3M"`` weights, with an
+analytic backward to positions, cell, charges and mesh); the FFT convolution
+uses :class:`torchpme.lib.KSpaceFilter` with the SPME kernel above. Both are
+differentiable in positions and cell and run in float64.
 
 Domain decomposition: two ways to share the mesh
 ------------------------------------------------
@@ -62,8 +62,9 @@ import functools
 import math
 
 import torch
-from torchpme.lib import KSpaceFilter, KSpaceKernel, MeshInterpolator
+from torchpme.lib import KSpaceFilter, KSpaceKernel
 
+from ..kernels.mesh import SplineBox, interpolate_mesh, mesh_coordinates, spread_charges, support_start
 from ..meshfft import MeshTransform
 from .base import LocalView, check_positive_length
 from .coulomb import COULOMB_CONSTANT
@@ -71,7 +72,7 @@ from .ewald import SplitCoulomb, accuracy_exponent
 
 __all__ = ["PME", "mesh_size", "default_mesh_spacing", "bspline_influence"]
 
-_MAX_ORDER = 5  # torch-pme's B-spline ("P3M") interpolator supports orders 1..5
+_MAX_ORDER = 5  # default_mesh_spacing is fitted for orders 3..5 (the mesh kernels reach 6)
 _MIN_ORDER = 3  # orders 1-2 give discontinuous forces and need absurdly fine meshes
 _MESH_MODES = ("auto", "replicated", "distributed", "slab", "pencil")  # the last two force a decomposition
 # PME(mesh="auto") crossover by number of ranks sharing the mesh, measured with benchmarks/pme_mesh.py
@@ -292,13 +293,10 @@ class PME(SplitCoulomb):
     def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
         kfilter = self._filter(view.cell, sizes)
-        interpolator = MeshInterpolator(
-            view.cell, torch.tensor(sizes, device=view.cell.device), interpolation_nodes=self.order, method="P3M"
-        )
-        interpolator.compute_weights(view.positions[: view.n_owned])
+        stencil = _Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True)
         # Owned charges only; the sum over ranks completes the mesh charge.
-        rho = view.global_sum(interpolator.points_to_mesh(q_owned[:, None]))
-        phi = interpolator.mesh_to_points(kfilter(rho))[:, 0]
+        rho = view.global_sum(stencil.spread(q_owned))
+        phi = stencil.interpolate(kfilter(rho[None])[0])
         return 0.5 * q_owned * phi
 
     def _reciprocal_distributed(self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
@@ -348,40 +346,30 @@ def _periodic_cover(first: torch.Tensor, n: int, order: int) -> tuple[int, int]:
 
 
 class _Stencil:
-    """The B-spline support of a set of atoms, as one periodic box of mesh points.
+    """The B-spline support of a set of atoms, as one periodic box of mesh points, and the kernels on it.
 
-    Weights are torch-pme's ``P3M`` B-splines (the replicated path's), so both
-    paths spread identical values. ``lo`` / ``extent`` describe the smallest
-    box (per axis, wrapping periodically) holding every atom's ``order``
-    support points; an axis the atoms span entirely becomes the whole axis.
+    ``lo`` / ``extent`` describe the smallest box (per axis, wrapping
+    periodically) holding every atom's ``order`` support points; an axis the
+    atoms span entirely becomes the whole axis (``whole_mesh``: every axis).
     Its cost is one sort per axis of the atoms' first support points.
     """
 
-    def __init__(self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int) -> None:
-        n, device = positions.shape[0], cell.device
-        ns = torch.tensor(sizes, device=device)
-        interpolator = MeshInterpolator(cell, ns, interpolation_nodes=order, method="P3M")
-        interpolator.compute_weights(positions)
-        weights = interpolator.interpolation_weights  # (order, n, 3), differentiable
-        # The same first support point as torch-pme's, but not wrapped into the mesh.
-        relative = (ns * torch.matmul(positions, interpolator.inverse_cell)).detach()
-        nearest = torch.floor(relative) if order % 2 == 0 else torch.round(relative)
-        first = nearest.long() + (1 - (order + 1) // 2)
-        boxes = [_periodic_cover(first[:, d] % int(sizes[d]), int(sizes[d]), order) for d in range(3)]
-        self.lo, self.extent = tuple(b[0] for b in boxes), tuple(b[1] for b in boxes)
-        lo = torch.tensor(self.lo, device=device)
-        steps = torch.arange(order, device=device)
-        local = (first[:, None, :] + steps[None, :, None] - lo) % ns  # (n, order, 3) box indices
-        e1, e2 = self.extent[1], self.extent[2]
-        self.flat = ((local[:, :, None, None, 0] * e1 + local[:, None, :, None, 1]) * e2 + local[:, None, None, :, 2]).reshape(n, order**3)
-        w = weights.permute(1, 0, 2)  # (n, order, 3)
-        self.weights = (w[:, :, None, None, 0] * w[:, None, :, None, 1] * w[:, None, None, :, 2]).reshape(n, order**3)
+    def __init__(self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int, whole_mesh: bool = False) -> None:
+        sizes = tuple(int(n) for n in sizes)
+        self.u = mesh_coordinates(positions, cell, sizes)  # differentiable: forces and strain derivative flow through it
+        self.first = support_start(self.u, order)
+        if whole_mesh:
+            self.box = SplineBox(order, sizes)
+        else:
+            first = self.first.long()
+            boxes = [_periodic_cover(first[:, d] % sizes[d], sizes[d], order) for d in range(3)]
+            self.box = SplineBox(order, sizes, tuple(b[0] for b in boxes), tuple(b[1] for b in boxes))
+        self.lo, self.extent = self.box.lo, self.box.extent
 
     def spread(self, q: torch.Tensor) -> torch.Tensor:
         """The box of mesh charges of these atoms."""
-        box = q.new_zeros(math.prod(self.extent))
-        return box.index_add(0, self.flat.reshape(-1), (q[:, None] * self.weights).reshape(-1)).reshape(self.extent)
+        return spread_charges(self.u, q, self.first, self.box)
 
     def interpolate(self, box: torch.Tensor) -> torch.Tensor:
         """A box of mesh values interpolated at the atoms."""
-        return (box.reshape(-1)[self.flat] * self.weights).sum(dim=1)
+        return interpolate_mesh(self.u, box, self.first, self.box)

@@ -1,7 +1,7 @@
-"""PME's two mesh paths on one process: torch-pme's interpolator and filter vs the box stencil and MeshTransform.
+"""PME's two mesh paths on one process: the whole mesh and torch-pme's filter vs the box stencil and MeshTransform.
 
-The replicated path spreads with ``MeshInterpolator`` onto a full mesh and
-filters with ``KSpaceFilter``; the distributed path spreads onto the atoms'
+The replicated path spreads onto a full mesh and filters with torch-pme's
+``KSpaceFilter``; the distributed path spreads onto the atoms'
 support box, maps it through :class:`~halopipe.meshfft.LocalMeshTransform` and
 builds the kernel from the transform's frequencies. Energy and its
 derivatives in positions, charges (dE/dq) and cell must agree to rounding.
@@ -57,7 +57,7 @@ def _energy_and_gradients(pme: PME, system, path: str, shift: torch.Tensor):
 
 
 @pytest.mark.parametrize("order, sizes", [(3, (9, 10, 11)), (4, (12, 9, 10)), (5, (10, 15, 8))])
-def test_box_stencil_path_equals_torchpme_path(order, sizes):
+def test_box_stencil_path_equals_whole_mesh_path(order, sizes):
     system = random_ionic_cell(n_cells=3, seed=21, net_charge=0.3)
     pme = PME(cutoff=5.0, accuracy=1e-6, order=order, mesh_size=sizes)
     shift = torch.tensor([3.0, -7.5, 11.0], dtype=torch.float64)
