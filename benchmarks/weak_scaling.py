@@ -26,6 +26,13 @@ The tables end with a least-squares fit of each quantity to ``c P^s`` over
 P > 1 (the exponent ``s`` tells flat, 0, from linear, 1).
 
     python benchmarks/weak_scaling.py --nproc 1 2 4 8 12 16 27
+    python benchmarks/weak_scaling.py --layout chain --nproc 3 6 12 24
+
+On the cubic grids a rank's halo partners fill in as axes get split: ghost
+rows across an unsplit axis are periodic images of the rank's own atoms (no
+message); the neighbourhood is complete (26 neighbouring bricks, all other
+ranks) once every axis has 3 or more bricks, at 27 ranks. The chain layout
+reaches that state at 3 ranks.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from halopipe.distributed.launch import spawn  # noqa: E402
 from halopipe.models.pme import PME  # noqa: E402
 
 GRIDS = {1: (1, 1, 1), 2: (2, 1, 1), 4: (2, 2, 1), 8: (2, 2, 2), 12: (3, 2, 2), 16: (4, 2, 2), 27: (3, 3, 3)}
+# ``--layout chain``: P bricks along x. From 3 bricks on, every rank has its full neighbourhood (two other ranks
+# along x, periodic images of itself along y and z), so the halo's traffic must be exactly flat from there on.
 CELLS_PER_BRICK = 2  # cubic NaCl cells per brick and axis: 64 atoms per rank
 MESH_PER_CELL = 8  # PME mesh points per cell and axis: 4096 per rank
 REBUILD_MOVE = 0.6  # Å along x for every atom: more than skin/2, so the next evaluation rebuilds and migrates
@@ -205,17 +214,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=sorted(GRIDS))
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--layout", choices=("cubic", "chain"), default="cubic", help="brick grids: near-cubic (GRIDS) or P x 1 x 1")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     args = parser.parse_args()
+    grids = {p: (p, 1, 1) if args.layout == "chain" else GRIDS[p] for p in args.nproc}
     table: dict[str, dict[int, list[float]]] = {w: {} for w in args.workloads}
     for p in args.nproc:
-        got = spawn(measure, p, GRIDS[p], args.steps, tuple(args.workloads), timeout=3600)[0]
+        got = spawn(measure, p, grids[p], args.steps, tuple(args.workloads), timeout=3600)[0]
         for w in args.workloads:
             table[w][p] = got[w]
-            print([w, p, GRIDS[p]] + [f"{v:.0f}" for v in got[w]], flush=True)
+            print([w, p, grids[p]] + [f"{v:.0f}" for v in got[w]], flush=True)
     for w in args.workloads:
         ps = sorted(table[w])
-        rows = [[p, GRIDS[p]] + [f"{v:.0f}" for v in table[w][p]] for p in ps]
+        rows = [[p, grids[p]] + [f"{v:.0f}" for v in table[w][p]] for p in ps]
         print_table(f"Weak scaling, {w}, per rank per step, largest over ranks", ["P", "grid"] + COLUMNS, rows)
         fit_rows = [[k, fits(ps, [table[w][p][i] for p in ps])] for i, k in enumerate(COLUMNS)]
         print_table(f"Fits over P > 1, {w} (value ~ c P^s)", ["quantity", "fit"], fit_rows)
