@@ -3,7 +3,9 @@
 :class:`Comm` is the only place that talks to other ranks. It offers
 
 * point-to-point exchange of tensors with a few peers (``exchange``), used by
-  the halo and by migration: no all-gather of positions anywhere;
+  the halo and by migration: no all-gather of positions anywhere; the send
+  counts that precede them go to the same peers (``exchange_counts`` with
+  ``peers``), so a rebuild talks to its neighbours only;
 * reductions (``all_reduce``) and a differentiable global sum whose backward
   is again a global sum (``GlobalSum``);
 * sub-communicators (``split``): the ranks of one part of a partition, for
@@ -200,12 +202,33 @@ class Comm:
         self._run(lambda: [dist.broadcast(buf, group_src=src, group=self.group, async_op=True)])
         return buf.to(device)
 
-    def exchange_counts(self, counts: list[int]) -> list[int]:
-        """``counts[r]`` to rank ``r``; returns what each rank sent here (one all-to-all of ``P`` integers)."""
+    def exchange_counts(self, counts: dict[int, int], peers: list[int] | None = None) -> dict[int, int]:
+        """``counts[r]`` (absent: 0) to rank ``r``; returns the non-zero counts other ranks sent here, by rank.
+
+        With ``peers`` (the ranks that may send or receive anything, the same
+        relation on both sides: each rank lists the other), one integer goes
+        to each peer and comes back from each: ``O(len(peers))`` messages.
+        Without, one all-to-all of ``P`` integers (any rank may talk to any).
+        A count for a rank outside ``peers`` is an error: that rank would not
+        expect it.
+        """
         if not self.distributed:
-            return list(counts)
-        got = self.all_to_all(torch.tensor(counts, dtype=torch.int64), [1] * self.size, [1] * self.size)
-        return got.tolist()
+            return {r: c for r, c in counts.items() if c}
+        if peers is None:
+            sizes = [1] * self.size
+            got = self.all_to_all(torch.tensor([counts.get(r, 0) for r in range(self.size)], dtype=torch.int64), sizes, sizes).tolist()
+            return {r: c for r, c in enumerate(got) if c}
+        others = set(peers) - {self.rank}
+        stray = sorted(r for r, c in counts.items() if c and r != self.rank and r not in others)
+        if stray:
+            raise RuntimeError(f"rank {self.rank} has rows for ranks {stray}, which are not among its peers {sorted(others)}")
+        one = torch.zeros(1, 1, dtype=torch.int64)
+        sends = {r: one + counts.get(r, 0) for r in sorted(others)}
+        got = self.exchange(sends, {r: (1, 1) for r in others}, torch.int64, torch.device("cpu"))
+        received = {r: int(t[0, 0]) for r, t in got.items()}
+        if counts.get(self.rank, 0):
+            received[self.rank] = counts[self.rank]
+        return {r: c for r, c in received.items() if c}
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj``, by rank (blocking; used after a collective all ranks reached)."""

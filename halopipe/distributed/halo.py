@@ -4,7 +4,10 @@ At each rebuild every rank lists the images of its owned atoms that fall
 within the widest halo width of some brick (its own brick included, for
 periodic images), sorted per destination by distance to that brick, and sends
 each destination its list directly (one message per pair of ranks that
-interact; no all-gather). A rank's ghost rows are what it received, sorted by
+interact; no all-gather). The send counts go first, point to point, to the
+plan's peers: the ranks whose bricks lie within reach, known to both sides
+from the partition alone, so a rebuild's messages do not grow with the rank
+count. A rank's ghost rows are what it received, sorted by
 distance, so a model with a narrower halo uses a *prefix* of the ghost rows
 and a refresh at width ``w`` only moves the rows within ``w``: nested halos
 from one plan, each model paying only for its own width.
@@ -28,24 +31,26 @@ class HaloPlan:
     """Send and receive lists of one rank for the current partition.
 
     Built collectively from the images of the owned atoms (``ImageSet``).
-    Ghost rows are ordered by distance; ``ghost_shift`` places a ghost row at
-    ``r_owner + ghost_shift @ cell``.
+    ``peers`` are the ranks that may send or receive images (every rank lists
+    the others alike; ``None``: any rank). Ghost rows are ordered by
+    distance; ``ghost_shift`` places a ghost row at ``r_owner + ghost_shift @ cell``.
+    ``send_counts`` / ``recv_counts`` map peer ranks to row counts (non-zero only).
     """
 
-    def __init__(self, comm: Comm, images: ImageSet, numbers: torch.Tensor, ids: torch.Tensor) -> None:
+    def __init__(self, comm: Comm, images: ImageSet, numbers: torch.Tensor, ids: torch.Tensor, peers: list[int] | None = None) -> None:
         self.comm = comm
-        size, device = comm.size, numbers.device
+        device = numbers.device
         order = torch.argsort(images.distance, stable=True)
         order = order[torch.argsort(images.rank[order], stable=True)]  # by destination, then distance
         self.send_atom = images.atom[order]
         send_rank = images.rank[order]
         send_dist = images.distance[order]
-        counts = torch.bincount(send_rank, minlength=size)
-        self.send_counts = counts.tolist()
-        self.recv_counts = comm.exchange_counts(self.send_counts)  # P integers per rank, not a P x P all-reduce
-        starts = torch.cumsum(counts, 0) - counts
-        self.send_index = {d: self.send_atom[int(starts[d]) : int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
-        self.send_dist = {d: send_dist[int(starts[d]) : int(starts[d]) + c] for d, c in enumerate(self.send_counts) if c}
+        ranks, counts = torch.unique_consecutive(send_rank, return_counts=True)
+        self.send_counts = dict(zip(ranks.tolist(), counts.tolist()))
+        self.recv_counts = comm.exchange_counts(self.send_counts, peers)  # point to point with the peers only
+        starts = dict(zip(self.send_counts, (torch.cumsum(counts, 0) - counts).tolist()))
+        self.send_index = {d: self.send_atom[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
+        self.send_dist = {d: send_dist[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
         # Metadata travels once per rebuild: species, id, image shift, distance.
         meta_int = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order]], dim=1)
         recv_int = self._exchange_rows(meta_int, torch.int64)
@@ -72,13 +77,9 @@ class HaloPlan:
         self._counts_cache: dict[float, tuple[dict, dict, int]] = {}
 
     def _exchange_rows(self, rows: torch.Tensor, dtype) -> dict[int, torch.Tensor]:
-        starts = 0
-        sends = {}
-        for d, c in enumerate(self.send_counts):
-            if c:
-                sends[d] = rows[starts : starts + c].to(dtype)
-            starts += c
-        shapes = {s: (c, rows.shape[1]) for s, c in enumerate(self.recv_counts) if c}
+        parts = torch.split(rows.to(dtype), list(self.send_counts.values())) if self.send_counts else ()
+        sends = dict(zip(self.send_counts, parts))
+        shapes = {s: (c, rows.shape[1]) for s, c in self.recv_counts.items()}
         return self.comm.exchange(sends, shapes, dtype, rows.device)
 
     @property

@@ -7,6 +7,18 @@ it, a halo plan. Plans are rebuilt only when some atom moved more than skin/2
 since the last build (decided globally, so all ranks rebuild together); at a
 rebuild atoms that left their brick by more than skin/2 migrate to their new
 owner (the skin/2 hysteresis keeps boundary atoms from flipping every step).
+
+A rebuild talks to neighbouring ranks only. After a migration every owned
+atom lies within skin/2 of its brick, and a plan sends images within
+``w + 1.5 skin`` of a brick, so a plan's peers are the ranks whose bricks lie
+within ``w + 2 skin`` of this one (slab metric, periodic images included): a
+set both sides compute alike, so send counts go point to point to those peers.
+Migration uses the same peers when the rule can vouch for it: an atom that
+moved at most ``d`` since the last migration (the global maximum is already
+known from the rebuild test) lies within ``skin/2 + d`` of its old brick, so
+while that fits in the peers' reach its new owner is a peer. A larger jump (a
+restart from other positions, a violent step) takes the general path: one
+all-to-all of ``P`` counts, still exact.
 A barostat changes the cell with :meth:`ShardedSystem.set_cell`: bricks are
 fractional, so they follow the cell, ghost rows are placed with the current
 cell, and the rebuild test adds the cell's strain since the last build to the
@@ -49,7 +61,7 @@ class ShardedSystem(Domain):
         self.rebuilds = 0
         self._width = -1.0
         self._ref: torch.Tensor | None = None
-        self._ref_cell: torch.Tensor | None = None
+        self._ref_cell: torch.Tensor | None = None  # reference positions and cell: those of the last migration
         self._mesh_transforms: dict[tuple, PencilMeshTransform] = {}
 
     # ------------------------------------------------------------- creation
@@ -187,25 +199,34 @@ class ShardedSystem(Domain):
         imposes, by more than skin/2 minus the strain's share (see
         :func:`~halopipe.domain.strain_displacement`).
         """
-        stale = self.plan is None or width > self._width or self._ref is None or self._ref.shape != self.positions.shape
-        moved = math.inf if stale else self._displacement(width)
+        stale = self.plan is None or width > self._width
+        moved = self._displacement(width)
         flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(stale)], dtype=torch.float64)
         flags = self.comm.all_reduce(flags, "max")
         threshold = 0.5 * self.skin if self.skin > 0 else 0.0
         if flags[1] > 0 or flags[0] > threshold:
-            self._repartition(hysteresis=True, width=max(width, self._width))  # never narrower than planned before
+            # never narrower than planned before; the global displacement bounds how far any atom can migrate
+            self._repartition(hysteresis=True, width=max(width, self._width), moved=float(flags[0]))
             return True
         return False
 
     def _displacement(self, width: float) -> float:
-        """Largest non-affine displacement since the plan's build plus the cell strain's equivalent, Å."""
+        """Largest non-affine displacement since the last migration plus the cell strain's equivalent, Å (inf if unknown)."""
+        if self._ref is None or self._ref.shape != self.positions.shape:
+            return math.inf
         if torch.equal(self.cell, self._ref_cell):
             return max_displacement(self.positions, self._ref)
         reach = max(width, self._width) + skin_margin(self.skin)
         extra, mapping = strain_displacement(self._ref_cell, self.cell, reach)
         return max_displacement(self.positions, self._ref @ mapping.to(self._ref.dtype)) + extra
 
-    def _repartition(self, hysteresis: bool, width: float | None = None) -> None:
+    def _repartition(self, hysteresis: bool, width: float | None = None, moved: float = math.inf) -> None:
+        """Migrate atoms to their bricks' ranks and, given a ``width``, build the plan.
+
+        ``moved``: the largest displacement of any atom since the last
+        migration (all ranks pass the same value).
+        """
+        old = self.partition
         self.partition = self._build_partition()
         wrapped, image = self.partition.wrap(self.partition.geometry.fractional(self.positions))
         new_owner = self.partition.rank_of(self.partition.brick_index(wrapped))
@@ -213,9 +234,18 @@ class ShardedSystem(Domain):
             mine = self.partition.brick_index_of_rank(torch.full((self.n_owned,), self.rank, device=wrapped.device))
             _, outside = self.partition.nearest_image(wrapped, mine)
             new_owner = torch.where(outside <= 0.5 * self.skin, torch.full_like(new_owner, self.rank), new_owner)
-        self._migrate(new_owner)
+        peers = None
         if width is not None:
-            self._build_plan(width)
+            reach = float(width) + skin_margin(self.skin) + 0.5 * self.skin  # ghosts' reach plus an owned atom's hysteresis
+            peers = bricks_within(self.partition, self.rank, reach + 1e-6)  # a hair more: faces and excesses round differently
+        # An atom was within skin/2 of its old brick at the last migration; the brick's faces moved by at most shift.
+        shift = math.inf if old is None else bounds_shift(old, self.partition)
+        near = peers is not None and 0.5 * self.skin + moved + shift <= reach
+        self._migrate(new_owner, peers if near else None)
+        self._ref = self.positions.detach().clone()
+        self._ref_cell = self.cell.detach().clone()
+        if width is not None:
+            self._build_plan(width, peers)
 
     def _build_partition(self) -> Partition:
         geo_pbc = self.pbc.cpu()
@@ -227,18 +257,16 @@ class ShardedSystem(Domain):
             hi = self.comm.all_reduce(frac.max(dim=0).values if frac.shape[0] else -big, "max")
         return Partition.build(self.grid, self.cell, self.pbc, lo, hi)
 
-    def _build_plan(self, width: float) -> None:
+    def _build_plan(self, width: float, peers: list[int]) -> None:
         part = self.partition
         wrapped, image = part.wrap(part.geometry.fractional(self.positions))
         ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int64, device=wrapped.device)
         home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(ranks))
         self.owned_shift = home - image
         images = images_near_bricks(part, wrapped, image, width + skin_margin(self.skin), own_rank=ranks, own_image=home)
-        self.plan = HaloPlan(self.comm, images, self.numbers, self.ids)
+        self.plan = HaloPlan(self.comm, images, self.numbers, self.ids, peers)
         self.ghost_numbers, self.ghost_ids = self.plan.ghost_numbers, self.plan.ghost_ids
         self.ghost_shift, self.ghost_distance = self.plan.ghost_shift, self.plan.ghost_distance
-        self._ref = self.positions.detach().clone()
-        self._ref_cell = self.cell.detach().clone()
         self._width = float(width)
         self.plan_version = next_plan_version()
         self.rebuilds += 1
@@ -256,19 +284,20 @@ class ShardedSystem(Domain):
         return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width))
 
     # ------------------------------------------------------------ migration
-    def _migrate(self, dest: torch.Tensor) -> None:
-        """Send each owned atom to rank ``dest``; keep atoms sorted by global id."""
-        size = self.comm.size
+    def _migrate(self, dest: torch.Tensor, peers: list[int] | None) -> None:
+        """Send each owned atom to rank ``dest``; keep atoms sorted by global id.
+
+        ``peers``: the ranks that may send or receive atoms (all ranks when ``None``).
+        """
         order = torch.argsort(dest, stable=True)
-        counts = torch.bincount(dest, minlength=size)
-        send_counts = counts.tolist()
-        recv_counts = self.comm.exchange_counts(send_counts)  # P integers per rank, not a P x P all-reduce
+        ranks, counts = torch.unique_consecutive(dest[order], return_counts=True)
+        send_counts = dict(zip(ranks.tolist(), counts.tolist()))
+        recv_counts = self.comm.exchange_counts(send_counts, peers)
         floats, ints = self._pack()
         received = []
         for data, dtype in ((floats[order], floats.dtype), (ints[order], torch.int64)):
-            parts = torch.split(data, send_counts)
-            sends = {d: parts[d] for d in range(size) if send_counts[d]}
-            shapes = {s: (c, data.shape[1]) for s, c in enumerate(recv_counts) if c}
+            sends = dict(zip(send_counts, torch.split(data, list(send_counts.values())))) if send_counts else {}
+            shapes = {s: (c, data.shape[1]) for s, c in recv_counts.items()}
             got = self.comm.exchange(sends, shapes, dtype, data.device)
             received.append(torch.cat([got[s] for s in sorted(got)]) if got else data[:0])
         self._unpack(*received)
@@ -298,6 +327,37 @@ class ShardedSystem(Domain):
             else:
                 self.fields[name] = ints[:, icol : icol + width].reshape((n,) + shape).to(dt)
                 icol += width
+
+
+def bricks_within(partition: Partition, rank: int, reach: float) -> list[int]:
+    """Ranks whose bricks lie within ``reach`` Å of ``rank``'s brick (slab metric, any periodic image; itself included).
+
+    Symmetric: rank ``a`` lists ``b`` exactly when ``b`` lists ``a``. Costs
+    ``O(p)`` per axis plus the size of the answer, never ``O(P)``.
+    """
+    mine = partition.brick_index_of_rank(torch.tensor([rank]))[0].tolist()
+    per_axis = []
+    for a in range(3):
+        bounds = partition.bounds[a].cpu()
+        lo, hi = bounds[:-1], bounds[1:]
+        shifts = torch.tensor([-1.0, 0.0, 1.0] if partition.geometry.pbc[a] else [0.0], dtype=torch.float64)
+        i = mine[a]
+        # Gap between brick i and each brick's images, per image; inside or touching is 0.
+        gap = torch.maximum(lo[:, None] + shifts - hi[i], lo[i] - hi[:, None] - shifts).clamp(min=0.0)
+        gap = torch.nan_to_num(gap, nan=0.0).min(dim=1).values * float(partition.geometry.heights[a])
+        per_axis.append((gap <= reach).nonzero()[:, 0])
+    index = torch.cartesian_prod(*per_axis).reshape(-1, 3)
+    return sorted(partition.rank_of(index).tolist())
+
+
+def bounds_shift(old: Partition, new: Partition) -> float:
+    """The largest distance (Å) any inner brick face moved between two partitions (non-periodic axes follow the atoms)."""
+    shift = 0.0
+    for a in range(3):
+        inner_old, inner_new = old.bounds[a][1:-1].cpu(), new.bounds[a][1:-1].cpu()
+        if inner_new.numel():
+            shift = max(shift, float((inner_new - inner_old).abs().max()) * float(new.geometry.heights[a]))
+    return shift
 
 
 def _local_device(name: str) -> torch.device:

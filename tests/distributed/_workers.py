@@ -148,7 +148,7 @@ def comm_volume(grid) -> dict:
         before = comm.bytes_sent
         sharded.ghost_rows(x, pipeline.halo)
         sent = comm.bytes_sent - before
-        served = sum(c for d, c in enumerate(sharded.plan.send_counts) if d != comm.rank)
+        served = sum(c for d, c in sharded.plan.send_counts.items() if d != comm.rank)
         out[halo + "_ratio"] = sent / max(served * 8, 1)
         out[halo + "_served"] = served
         before = comm.bytes_sent
