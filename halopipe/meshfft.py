@@ -5,7 +5,9 @@ A particle-mesh model (PME) needs three things from the mesh, and a
 
 * :meth:`MeshTransform.boxes` takes the box of mesh points this process's
   atoms touch (any origin, wrapping periodically) and returns a
-  :class:`BoxMap` whose ``to_mesh`` adds box values into the mesh (each
+  :class:`BoxMap` for a box holding it (``lo``, ``extent``: the one the
+  model spreads onto; a distributed transform pads and reuses it between
+  steps), whose ``to_mesh`` adds box values into the mesh (each
   point's contributions summed at its owner) and whose ``from_mesh`` reads
   the mesh at the box points. Each is the other's adjoint, so both are
   differentiable.
@@ -51,7 +53,15 @@ def box_flat_index(lo: tuple[int, int, int], extent: tuple[int, int, int], sizes
 
 
 class BoxMap:
-    """Adds a periodic box of mesh values into the mesh, and reads it back (adjoint pair)."""
+    """Adds a periodic box of mesh values into the mesh, and reads it back (adjoint pair).
+
+    Attributes
+    ----------
+    lo, extent : the box (first mesh index per axis, any integer, wrapping; points per axis).
+    """
+
+    lo: tuple[int, int, int]
+    extent: tuple[int, int, int]
 
     def to_mesh(self, box: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         """Sum the box's values into this process's part of the mesh (differentiable)."""
@@ -75,7 +85,7 @@ class MeshTransform:
     parts: int = 1
 
     def boxes(self, lo: tuple[int, int, int], extent: tuple[int, int, int]) -> BoxMap:  # pragma: no cover - interface
-        """The map between this process's box and the mesh (collective when distributed)."""
+        """A map between a box holding ``(lo, extent)`` and the mesh (collective when distributed)."""
         raise NotImplementedError
 
     def forward(self, mesh: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
@@ -94,6 +104,7 @@ class MeshTransform:
 class _LocalBoxMap(BoxMap):
     def __init__(self, lo, extent, sizes) -> None:
         self.sizes = tuple(int(s) for s in sizes)
+        self.lo = tuple(int(v) for v in lo)
         self.extent = tuple(int(e) for e in extent)
         self.flat = box_flat_index(lo, extent, sizes)
 

@@ -252,6 +252,7 @@ class PencilMeshTransform(MeshTransform):
         self.own_rows = self._own("k1", i)
         self.own_k2 = self._own("k2", j)
         self._comms: tuple[Comm, Comm] | None = None
+        self._boxmaps: list[BlockBoxMap] = []  # newest first; the same list on every rank
 
     def _own(self, axis: str, index: int) -> tuple[int, int]:
         start = _starts(self.pieces[axis])[index]
@@ -302,7 +303,21 @@ class PencilMeshTransform(MeshTransform):
         return mesh[a0:b0, a1:b1]
 
     def boxes(self, lo, extent) -> BoxMap:
-        return BlockBoxMap(self, lo, extent)
+        """A box map holding ``(lo, extent)``: a cached one where it holds every rank's box, else a new padded one.
+
+        Building a map needs every rank's box (one all-gather, O(P)); reusing one needs a vote (one all-reduce
+        of a flag per cached map). Boxes are padded by ``BOX_MARGIN`` points per side, so the map survives the
+        atoms' motion between rebuilds and most steps cost only the vote.
+        """
+        holds = [int(_holds(m, lo, extent, self.sizes)) for m in self._boxmaps]
+        if holds and self.comm.distributed:
+            holds = self.comm.all_reduce(torch.tensor(holds), op="min").tolist()
+        for boxmap, everywhere in zip(self._boxmaps, holds):
+            if everywhere:
+                return boxmap
+        boxmap = BlockBoxMap(self, *_padded(lo, extent, self.sizes))
+        self._boxmaps = [boxmap, *self._boxmaps][:CACHED_BOX_MAPS]
+        return boxmap
 
 
 class SlabMeshTransform(PencilMeshTransform):
@@ -313,6 +328,30 @@ class SlabMeshTransform(PencilMeshTransform):
 
 
 # ------------------------------------------------------------------ box <-> blocks
+BOX_MARGIN = 2
+"""Mesh points added on each side of a rank's box, so that its box map outlives small motions of the atoms."""
+
+CACHED_BOX_MAPS = 4
+"""Box maps kept per transform (several particle-mesh models may share one mesh)."""
+
+
+def _padded(lo, extent, sizes) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(lo, extent)`` grown by ``BOX_MARGIN`` per side (an empty box stays empty; an axis never exceeds the mesh)."""
+    if 0 in tuple(extent):
+        return tuple(int(v) for v in lo), tuple(int(e) for e in extent)
+    grown = [min(int(e) + 2 * BOX_MARGIN, n) for e, n in zip(extent, sizes)]
+    return tuple(int(v) - BOX_MARGIN if g < n else 0 for v, g, n in zip(lo, grown, sizes)), tuple(grown)
+
+
+def _holds(boxmap: BoxMap, lo, extent, sizes) -> bool:
+    """Whether ``boxmap``'s periodic box contains the box ``(lo, extent)``."""
+    if 0 in tuple(extent):
+        return True
+    return all(
+        e_map >= n or (int(v) - v_map) % n + int(e) <= e_map for v, e, v_map, e_map, n in zip(lo, extent, boxmap.lo, boxmap.extent, sizes)
+    )
+
+
 def _wrapped(lo: int, extent: int, n: int) -> torch.Tensor:
     return (lo + torch.arange(extent)) % n
 
@@ -327,6 +366,7 @@ class BlockBoxMap(BoxMap):
     def __init__(self, transform: PencilMeshTransform, lo, extent) -> None:
         self.t = transform
         comm, sizes = transform.comm, transform.sizes
+        self.lo = tuple(int(v) for v in lo)
         self.extent = tuple(int(e) for e in extent)
         mine = tuple(int(v) for v in lo) + self.extent
         boxes = comm.all_gather_object(mine) if comm.distributed else [mine]

@@ -304,6 +304,7 @@ class PME(SplitCoulomb):
         cell, sizes = view.cell, transform.sizes
         stencil = _Stencil(cell, view.positions[: view.n_owned], sizes, self.order)
         boxmap = transform.boxes(stencil.lo, stencil.extent)
+        stencil.use_box(boxmap.lo, boxmap.extent)
         spectrum = transform.forward(boxmap.to_mesh(stencil.spread(q_owned)))
         m0, m1, m2 = transform.frequencies(cell.device)
         reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
@@ -364,6 +365,11 @@ class _Stencil:
             first = self.first.long()
             boxes = [_periodic_cover(first[:, d] % sizes[d], sizes[d], order) for d in range(3)]
             self.box = SplineBox(order, sizes, tuple(b[0] for b in boxes), tuple(b[1] for b in boxes))
+        self.lo, self.extent = self.box.lo, self.box.extent
+
+    def use_box(self, lo, extent) -> None:
+        """Spread onto / interpolate from a larger box holding this one (a transform's cached, padded box)."""
+        self.box = SplineBox(self.box.order, self.box.sizes, lo, extent)
         self.lo, self.extent = self.box.lo, self.box.extent
 
     def spread(self, q: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ def test_distributed_fft_equals_full_mesh_fft(world_size):
             assert r["roundtrip"] < 1e-12, (label, r)
             assert r["loss_rel"] < 1e-12, (label, r)
             assert r["grad_rel"] < 1e-12, (label, r)
+            assert b["reused"], (label, b)
             assert b["block"] < 1e-12, (label, b)
             assert b["loss_rel"] < 1e-12, (label, b)
             assert b["grad_rel"] < 1e-12, (label, b)
