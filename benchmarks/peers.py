@@ -97,14 +97,16 @@ def write_configuration(case: str, path: Path) -> None:
 
 # -------------------------------------------------------------------- halopipe worker
 def _halopipe_pipeline(case: str):
-    from halopipe import DFTD3, PME, Group, LennardJones, Pipeline, Step
+    from halopipe import DFTD3, PME, DomainConfig, Group, LennardJones, Pipeline, Step
 
+    config = DomainConfig(skin=SKIN)
     if case.startswith("lj"):
-        return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"])])
+        return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"])], config=config)
     if case == "nacl-4k":
         lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
-        return Pipeline([Group([Step(lj)], autograd=False), Group([Step(PME(NACL["cutoff"], NACL["pme_accuracy"]))], autograd=True)])
-    return Pipeline([Group([Step(DFTD3("pbe"))], autograd=False)])
+        pme = PME(NACL["cutoff"], NACL["pme_accuracy"])
+        return Pipeline([Group([Step(lj)], autograd=False), Group([Step(pme)], autograd=True)], config=config)
+    return Pipeline([Group([Step(DFTD3("pbe"))], autograd=False)], config=config)
 
 
 def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
@@ -113,7 +115,6 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
     import torch.distributed as dist
 
     from halopipe import System
-    from halopipe.distributed import DomainConfig
     from halopipe.dynamics import Simulation, VelocityVerlet
 
     torch.set_num_threads(1)
@@ -139,7 +140,7 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
         return {"seconds": seconds, "energy": float(result["energy"])}
     dt = LJ_ARGON["dt_fs"] if case.startswith("lj") else NACL["dt_fs"]
     system.fields["velocities"] = torch.tensor(data["velocities"])
-    sim = Simulation(pipeline, system if rank == 0 else None, VelocityVerlet(dt), DomainConfig(skin=SKIN))
+    sim = Simulation(pipeline, system if rank == 0 else None, VelocityVerlet(dt))
     sim.run(0)  # the first evaluation: energy and forces for the cross-check
     energy, forces = float(sim.md.energy), sim.sharded.gather(sim.md.forces)
     sim.run(1)

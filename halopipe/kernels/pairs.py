@@ -88,8 +88,8 @@ def warp_kernel(name: str):
 def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: list) -> None:
     """Launch a Warp kernel over ``n_pairs`` threads on torch's device and stream.
 
-    Tensors are passed zero-copy: ``(R, 3)`` float64 as ``vec3d`` arrays,
-    others as they are.
+    Tensors are passed zero-copy: ``(R, 3)`` float64 as ``vec3d`` arrays and
+    ``(R, 3)`` int32 as ``vec3i``, others as they are.
     """
     wp = warp_module()
     wp_device = wp.device_from_torch(device)
@@ -98,7 +98,9 @@ def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: li
     def as_warp(x):
         if not isinstance(x, torch.Tensor):
             return x
-        return wp.from_torch(x, dtype=wp.vec3d) if x.ndim == 2 else wp.from_torch(x)
+        if x.ndim == 2 and x.shape[1] == 3:
+            return wp.from_torch(x, dtype=wp.vec3i if x.dtype == torch.int32 else wp.vec3d)
+        return wp.from_torch(x)
 
     inputs, outputs = [as_warp(x) for x in inputs], [as_warp(x) for x in outputs]
     wp.launch(kernel, dim=n_pairs, inputs=inputs, outputs=outputs, device=wp_device, stream=stream)
