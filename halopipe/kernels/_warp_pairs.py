@@ -13,37 +13,68 @@ import warp as wp
 wp.set_module_options({"enable_backward": False})
 
 
-@wp.kernel
-def lj_half_list(
-    rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
-    second: wp.array(dtype=wp.int32),
-    ptype: wp.array(dtype=wp.int32),
-    a12: wp.array(dtype=wp.float64),
-    b6: wp.array(dtype=wp.float64),
-    shift: wp.array(dtype=wp.float64),
-    weight: wp.array(dtype=wp.float64),
-    rc2: wp.float64,
-    energies: wp.array(dtype=wp.float64),
-    forces: wp.array(dtype=wp.vec3d),
-):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc2:  # a candidate within the skin, not the cutoff
-        return
-    t = ptype[k]
-    inv2 = wp.float64(1.0) / r2
-    inv6 = inv2 * inv2 * inv2
-    half = wp.float64(0.5) * ((a12[t] * inv6 - b6[t]) * inv6 - shift[t])
-    wp.atomic_add(energies, a, half)
-    wp.atomic_add(energies, b, half)
-    c = wp.float64(0.5) * (weight[a] + weight[b])
-    f = (c * (wp.float64(12.0) * a12[t] * inv6 - wp.float64(6.0) * b6[t]) * inv6 * inv2) * d
-    wp.atomic_add(forces, b, f)
-    wp.atomic_sub(forces, a, f)
+def _lj_owned_rows(single_type: bool):
+    """Lennard-Jones over a half list grouped by owned row: one thread per owned row ``a``.
+
+    The thread walks its pairs ``start[a] .. start[a + 1]``, keeps the force,
+    energy and virial of ``a`` in registers and writes them once; only the
+    partner ``b`` is updated per pair (Newton's third law). The virial
+    ``sum_rows r (x) F`` is accumulated in pair form, ``sum_pairs s d (x) d``
+    (independent of the origin). With one pair type (``single_type``) the
+    parameters are loaded once per thread instead of once per pair.
+    """
+
+    @wp.kernel
+    def lj(
+        rows: wp.array(dtype=wp.vec3d),
+        start: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        ptype: wp.array(dtype=wp.int32),
+        params: wp.array(dtype=wp.vec3d),
+        weight: wp.array(dtype=wp.float64),
+        rc2: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        virial: wp.array(dtype=wp.float64),
+    ):
+        a = wp.tid()
+        ra = rows[a]
+        wa = weight[a]
+        p = params[0]  # (a12, b6, shift) of the only pair type, or overwritten per pair
+        fa = wp.vec3d()
+        ea = wp.float64(0.0)
+        diag = wp.vec3d()  # virial xx, yy, zz
+        off = wp.vec3d()  # virial xy, xz, yz
+        for k in range(start[a], start[a + 1]):
+            b = second[k]
+            d = rows[b] - ra
+            r2 = wp.dot(d, d)
+            if r2 <= rc2:  # else a candidate within the skin, not the cutoff
+                if not wp.static(single_type):
+                    p = params[ptype[k]]
+                inv2 = wp.float64(1.0) / r2
+                inv6 = inv2 * inv2 * inv2
+                half = wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
+                ea += half
+                wp.atomic_add(energies, b, half)
+                c = wp.float64(0.5) * (wa + weight[b])
+                s = c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2
+                f = s * d
+                wp.atomic_add(forces, b, f)
+                fa -= f
+                diag += s * wp.cw_mul(d, d)
+                off += s * wp.vec3d(d[0] * d[1], d[0] * d[2], d[1] * d[2])
+        wp.atomic_add(energies, a, ea)
+        wp.atomic_add(forces, a, fa)
+        for i in range(3):
+            wp.atomic_add(virial, i, diag[i])
+            wp.atomic_add(virial, 3 + i, off[i])
+
+    return lj
+
+
+lj_owned_rows = _lj_owned_rows(single_type=False)
+lj_owned_rows_single_type = _lj_owned_rows(single_type=True)
 
 
 @wp.kernel
