@@ -16,12 +16,12 @@ wp.set_module_options({"enable_backward": False})
 def _lj_owned_rows(single_type: bool):
     """Lennard-Jones over a half list grouped by owned row: one thread per owned row ``a``.
 
-    The thread walks its pairs ``start[a] .. start[a + 1]``, keeps the force,
-    energy and virial of ``a`` in registers and writes them once; only the
-    partner ``b`` is updated per pair (Newton's third law). The virial
-    ``sum_rows r (x) F`` is accumulated in pair form, ``sum_pairs s d (x) d``
-    (independent of the origin). With one pair type (``single_type``) the
-    parameters are loaded once per thread instead of once per pair.
+    The thread walks its pairs ``start[a] .. start[a + 1]``, keeps the force
+    and energy of ``a`` in registers and writes them once; only the
+    partner ``b`` is updated per pair (Newton's third law). With one pair
+    type (``single_type``) the parameters are loaded once per thread instead
+    of once per pair. (Accumulating the virial here too measured 20 % slower
+    than one matrix product over the rows afterwards.)
     """
 
     @wp.kernel
@@ -35,7 +35,6 @@ def _lj_owned_rows(single_type: bool):
         rc2: wp.float64,
         energies: wp.array(dtype=wp.float64),
         forces: wp.array(dtype=wp.vec3d),
-        virial: wp.array(dtype=wp.float64),
     ):
         a = wp.tid()
         ra = rows[a]
@@ -43,8 +42,6 @@ def _lj_owned_rows(single_type: bool):
         p = params[0]  # (a12, b6, shift) of the only pair type, or overwritten per pair
         fa = wp.vec3d()
         ea = wp.float64(0.0)
-        diag = wp.vec3d()  # virial xx, yy, zz
-        off = wp.vec3d()  # virial xy, xz, yz
         for k in range(start[a], start[a + 1]):
             b = second[k]
             d = rows[b] - ra
@@ -58,17 +55,11 @@ def _lj_owned_rows(single_type: bool):
                 ea += half
                 wp.atomic_add(energies, b, half)
                 c = wp.float64(0.5) * (wa + weight[b])
-                s = c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2
-                f = s * d
+                f = (c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
                 wp.atomic_add(forces, b, f)
                 fa -= f
-                diag += s * wp.cw_mul(d, d)
-                off += s * wp.vec3d(d[0] * d[1], d[0] * d[2], d[1] * d[2])
         wp.atomic_add(energies, a, ea)
         wp.atomic_add(forces, a, fa)
-        for i in range(3):
-            wp.atomic_add(virial, i, diag[i])
-            wp.atomic_add(virial, 3 + i, off[i])
 
     return lj
 

@@ -3,7 +3,7 @@
 Per species pair: ``a12 = 4 eps sigma^12`` and ``b6 = 4 eps sigma^6``, so
 ``u = a12 / r^12 - b6 / r^6 - shift`` with ``r^2`` only (no square root).
 The Warp kernel runs one thread per owned row over the list grouped by that
-row, and returns the virial with the forces, in the same pass.
+row.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def _pair_types(half: HalfList) -> torch.Tensor:
     return half.ptype.long() if half.ptype is not None else torch.zeros_like(half.first, dtype=torch.long)
 
 
-def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces) -> torch.Tensor:
-    """Eager twin of the Warp kernel: the same arithmetic with a mask instead of a branch; returns the virial."""
+def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces) -> None:
+    """Eager twin of the Warp kernel: the same arithmetic with a mask instead of a branch."""
     first, second = half.first.long(), half.second.long()
     d = rows[second] - rows[first]
     r2 = (d * d).sum(dim=1)
@@ -49,34 +49,28 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
     half_u = torch.where(inside, 0.5 * ((a12 * inv6 - b6) * inv6 - tables.shift[t]), torch.zeros_like(r2))
     energies.index_add_(0, first, half_u).index_add_(0, second, half_u)
     c = 0.5 * (weight[first] + weight[second])
-    s = c * (12.0 * a12 * inv6 - 6.0 * b6) * inv6 * inv2
-    f = s[:, None] * d
+    f = (c * (12.0 * a12 * inv6 - 6.0 * b6) * inv6 * inv2)[:, None] * d
     forces.index_add_(0, second, f).index_add_(0, first, -f)
-    return (s[:, None] * d).T @ d
 
 
-def lj_energy_forces(
-    rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row energies (R,), forces (R, 3) = ``-d(sum_i weight_i e_i)/d(rows)`` and their virial ``sum_rows r (x) F`` (3, 3)."""
+def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row energies (R,) and forces (R, 3) = ``-d(sum_i weight_i e_i)/d(rows)``."""
     rows = rows.detach().contiguous()
     energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     forces = torch.zeros_like(rows)
     if half.n_pairs == 0:
-        return energies, forces, rows.new_zeros(3, 3)
+        return energies, forces
     single = tables.a12.numel() == 1
     kernel = warp_kernel("lj_owned_rows_single_type" if single else "lj_owned_rows") if rows.dtype == torch.float64 else None
     if kernel is None:
-        return energies, forces, _torch_kernel(rows, half, tables, weight, energies, forces)
+        _torch_kernel(rows, half, tables, weight, energies, forces)
+        return energies, forces
     n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
     grouped = half.grouped(n_owned)
     ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
-    virial = torch.zeros(6, dtype=rows.dtype, device=rows.device)
     inputs = [rows, grouped.start, grouped.second, ptype, tables.params, weight.contiguous(), tables.cutoff**2]
-    launch(kernel, n_owned, rows.device, inputs, [energies, forces, virial])
-    xy, xz, yz = virial[3], virial[4], virial[5]
-    full = torch.stack([virial[0], xy, xz, xy, virial[1], yz, xz, yz, virial[2]]).reshape(3, 3)
-    return energies, forces, full
+    launch(kernel, n_owned, rows.device, inputs, [energies, forces])
+    return energies, forces
 
 
 class _LJEnergies(torch.autograd.Function):
@@ -84,7 +78,7 @@ class _LJEnergies(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int) -> torch.Tensor:
-        energies, forces, _ = lj_energy_forces(rows, half, tables, owned_weight(rows, n_owned))
+        energies, forces = lj_energy_forces(rows, half, tables, owned_weight(rows, n_owned))
         ctx.save_for_backward(rows, forces)
         ctx.half, ctx.tables, ctx.n_owned = half, tables, n_owned
         return energies[:n_owned]

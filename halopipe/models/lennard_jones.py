@@ -10,7 +10,7 @@ The work runs in a compiled half-list kernel (:mod:`halopipe.kernels`): the
 model takes the view's half candidate list at ``cutoff + skin`` (each pair
 once), groups it by owned row and looks up species-pair parameters once per
 neighbour-list rebuild; each step the kernel skips candidates beyond the
-cutoff and returns energies, forces and the virial in one pass.
+cutoff.
 """
 
 from __future__ import annotations
@@ -116,5 +116,9 @@ class LennardJones(Model):
         n = view.n_owned
         if not direct:
             return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
-        energies, forces, virial = lj_energy_forces(view.positions, half, tables, owned_weight(view.positions, n))
+        energies, forces = lj_energy_forces(view.positions, half, tables, owned_weight(view.positions, n))
+        # sum (r - c) (x) F about the owned centre, written as sum r (x) F - c (x) sum F (no pass that shifts every
+        # row); the second term removes the origin dependence that the rounding of sum F would otherwise leave.
+        centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
+        virial = view.positions.T @ forces - torch.outer(centre, forces.sum(dim=0))
         return ModelOutput(energies=energies[:n], forces=forces, virial=virial)
