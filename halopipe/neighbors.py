@@ -15,9 +15,14 @@ while no atom has moved more than ``skin / 2``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from vesin import NeighborList as _VesinNeighborList
+
+from .kernels.backend import warp_module
+from .kernels.pairs import launch, warp_kernel
 
 __all__ = [
     "neighbor_list",
@@ -62,16 +67,12 @@ def owned_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor
     """Directed pairs ``(i, j)`` within ``cutoff`` of rows, with ``i < n_owned``.
 
     ``rows`` are explicit coordinates (owned rows first, then ghost images), so
-    the search is non-periodic. vesin searches all rows, so it also pays for
-    ghost-ghost pairs; that is cheap while ghosts are few, but dominates when
-    the halo is wide (D3 needs 20-50 Å). Beyond ``rows / owned > 8``, where
-    the owned-centred cell list (:func:`owned_pairs_cell_list`, cost
-    proportional to owned atoms only) becomes the cheaper of the two, it is
-    used instead.
+    the search is non-periodic. It is :func:`owned_half_pairs` with each
+    owned-owned pair in both directions, sorted by centre.
     """
     if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
-    if rows.shape[0] > 8 * n_owned:
+    if warp_kernel("owned_half_fill") is None and rows.shape[0] > 8 * n_owned:
         return owned_pairs_cell_list(rows, n_owned, cutoff)
     half = owned_half_pairs(rows, n_owned, cutoff)
     i = torch.cat([half[0], half[1]])
@@ -86,11 +87,16 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     """Each unordered pair within ``cutoff`` with at least one owned row, once, owned row first.
 
     Owned-owned pairs appear once (not twice as in :func:`owned_pairs`), which
-    is what Newton's-third-law kernels want; no sort, so it is cheap to rebuild.
+    is what Newton's-third-law kernels want. With Warp the search is an
+    owned-centred cell list (:func:`_warp_owned_half_pairs`, grouped by the
+    owned row); without it, vesin over all rows (which also pays for
+    ghost-ghost pairs), or the torch cell list when the halo is wide.
     """
     if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
-    if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs, as owned_pairs does
+    if warp_kernel("owned_half_fill") is not None:
+        return _warp_owned_half_pairs(rows, n_owned, cutoff)
+    if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs
         i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
         keep = (j >= n_owned) | (i < j)
         return torch.stack([i[keep], j[keep]])
@@ -102,6 +108,43 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     a, b = a[keep], b[keep]
     a_first = a < n_owned
     return torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)])
+
+
+def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor:
+    """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
+
+    Rows are binned into cubes of edge about ``cutoff / 2`` and sorted by
+    cube; each owned row ``i`` scans the cubes within ``cutoff`` (5 x 5 lines
+    of 5 contiguous cubes) and keeps rows ``j > i`` (every ghost is ``> i``).
+    One pass counts, a prefix sum places, a second pass writes; pairs come
+    out grouped by ``i`` in a deterministic order.
+    """
+    device = rows.device
+    pos = rows.detach().to(torch.float64).contiguous()
+    lo = pos.min(dim=0).values
+    extent = (pos.max(dim=0).values - lo).tolist()
+    # a hair over cutoff/2, so that rounding in the binning never needs a third cube of reach
+    edge = float(cutoff) * (0.5 + 1e-9)
+    while math.prod(int(e / edge) + 1 for e in extent) > 8 * pos.shape[0] + 4096:  # sparse rows: coarser cubes
+        edge *= 2.0
+    reach = math.ceil(float(cutoff) / edge)
+    cell = torch.floor((pos - lo) / edge).to(torch.int32)
+    dims = [int(d) for d in (cell.max(dim=0).values + 1).tolist()]
+    cell_id = (cell[:, 2].long() * dims[1] + cell[:, 1]) * dims[0] + cell[:, 0]
+    order = torch.argsort(cell_id, stable=True)
+    cell_start = torch.zeros(math.prod(dims) + 1, dtype=torch.int32, device=device)
+    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=math.prod(dims)), 0)
+    wp = warp_module()
+    grid = [pos, pos[order], order.to(torch.int32), cell.contiguous(), cell_start, wp.vec3i(*dims), reach, float(cutoff) ** 2]
+    counts = torch.empty(n_owned, dtype=torch.int32, device=device)
+    nothing = torch.empty(0, dtype=torch.int32, device=device)
+    launch(warp_kernel("owned_half_count"), n_owned, device, [*grid, nothing, nothing, nothing], [counts])
+    ends = torch.cumsum(counts, 0, dtype=torch.int32)
+    total = int(ends[-1])
+    first = torch.empty(total, dtype=torch.int32, device=device)
+    second = torch.empty(total, dtype=torch.int32, device=device)
+    launch(warp_kernel("owned_half_fill"), n_owned, device, [*grid, ends - counts, first, second], [nothing])
+    return torch.stack([first, second]).long()
 
 
 def row_centred_pairs(rows: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:

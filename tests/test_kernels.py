@@ -22,7 +22,7 @@ def backend(request, monkeypatch):
     monkeypatch.setenv("HALOPIPE_KERNELS", request.param)
     kernel_backend_module.warp_module.cache_clear()
     pair_kernels.warp_kernel.cache_clear()
-    if request.param == "warp" and pair_kernels.warp_kernel("lj_half_list") is None:
+    if request.param == "warp" and pair_kernels.warp_kernel("lj_owned_rows") is None:
         pytest.skip("NVIDIA Warp is not available here")
     yield request.param
     kernel_backend_module.warp_module.cache_clear()

@@ -80,3 +80,36 @@ def test_cell_list_equals_vesin_search():
     a = owned_pairs_cell_list(rows, 100, 2.7, max_candidates=500)  # small chunks exercise the chunking
     b = owned_pairs(rows, 100, 2.7)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernels", ["warp", "torch"])
+@pytest.mark.parametrize(
+    "layout",
+    ["dense", "wide_halo", "sparse"],  # rows ~ owned; rows >> owned (D3-like halo); a few rows far apart (coarser cubes)
+)
+def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
+    """The owned-centred search (Warp cell list, or vesin / torch cell list) against all distances by cdist."""
+    from halopipe.kernels import backend, pairs
+    from halopipe.neighbors import owned_half_pairs
+
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels)
+    backend.warp_module.cache_clear()
+    pairs.warp_kernel.cache_clear()
+    rng = np.random.default_rng(7)
+    if layout == "dense":
+        rows, n_owned, cutoff = rng.uniform(-2, 12, (400, 3)), 150, 3.1
+    elif layout == "wide_halo":
+        rows, n_owned, cutoff = rng.uniform(-10, 20, (900, 3)), 40, 6.0
+    else:
+        centres = rng.uniform(0, 1, (10, 3)) * np.array([2000.0, 200.0, 3.0])  # clusters of 3 far apart
+        rows, n_owned, cutoff = np.repeat(centres, 3, axis=0) + rng.uniform(-1, 1, (30, 3)), 10, 2.5
+    rows = torch.tensor(rows)
+    got = owned_half_pairs(rows, n_owned, cutoff)
+    r = torch.cdist(rows, rows)
+    i, j = torch.nonzero(r <= cutoff, as_tuple=True)
+    want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
+    assert bool((got[0] < n_owned).all())
+    assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want
+    assert got.shape[1] == len(want)  # each pair once
+    backend.warp_module.cache_clear()
+    pairs.warp_kernel.cache_clear()

@@ -13,37 +13,59 @@ import warp as wp
 wp.set_module_options({"enable_backward": False})
 
 
-@wp.kernel
-def lj_half_list(
-    rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
-    second: wp.array(dtype=wp.int32),
-    ptype: wp.array(dtype=wp.int32),
-    a12: wp.array(dtype=wp.float64),
-    b6: wp.array(dtype=wp.float64),
-    shift: wp.array(dtype=wp.float64),
-    weight: wp.array(dtype=wp.float64),
-    rc2: wp.float64,
-    energies: wp.array(dtype=wp.float64),
-    forces: wp.array(dtype=wp.vec3d),
-):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc2:  # a candidate within the skin, not the cutoff
-        return
-    t = ptype[k]
-    inv2 = wp.float64(1.0) / r2
-    inv6 = inv2 * inv2 * inv2
-    half = wp.float64(0.5) * ((a12[t] * inv6 - b6[t]) * inv6 - shift[t])
-    wp.atomic_add(energies, a, half)
-    wp.atomic_add(energies, b, half)
-    c = wp.float64(0.5) * (weight[a] + weight[b])
-    f = (c * (wp.float64(12.0) * a12[t] * inv6 - wp.float64(6.0) * b6[t]) * inv6 * inv2) * d
-    wp.atomic_add(forces, b, f)
-    wp.atomic_sub(forces, a, f)
+def _lj_owned_rows(single_type: bool):
+    """Lennard-Jones over a half list grouped by owned row: one thread per owned row ``a``.
+
+    The thread walks its pairs ``start[a] .. start[a + 1]``, keeps the force
+    and energy of ``a`` in registers and writes them once; only the
+    partner ``b`` is updated per pair (Newton's third law). With one pair
+    type (``single_type``) the parameters are loaded once per thread instead
+    of once per pair. (Accumulating the virial here too measured 20 % slower
+    than one matrix product over the rows afterwards.)
+    """
+
+    @wp.kernel
+    def lj(
+        rows: wp.array(dtype=wp.vec3d),
+        start: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        ptype: wp.array(dtype=wp.int32),
+        params: wp.array(dtype=wp.vec3d),
+        weight: wp.array(dtype=wp.float64),
+        rc2: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+    ):
+        a = wp.tid()
+        ra = rows[a]
+        wa = weight[a]
+        p = params[0]  # (a12, b6, shift) of the only pair type, or overwritten per pair
+        fa = wp.vec3d()
+        ea = wp.float64(0.0)
+        for k in range(start[a], start[a + 1]):
+            b = second[k]
+            d = rows[b] - ra
+            r2 = wp.dot(d, d)
+            if r2 <= rc2:  # else a candidate within the skin, not the cutoff
+                if not wp.static(single_type):
+                    p = params[ptype[k]]
+                inv2 = wp.float64(1.0) / r2
+                inv6 = inv2 * inv2 * inv2
+                half = wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
+                ea += half
+                wp.atomic_add(energies, b, half)
+                c = wp.float64(0.5) * (wa + weight[b])
+                f = (c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
+                wp.atomic_add(forces, b, f)
+                fa -= f
+        wp.atomic_add(energies, a, ea)
+        wp.atomic_add(forces, a, fa)
+
+    return lj
+
+
+lj_owned_rows = _lj_owned_rows(single_type=False)
+lj_owned_rows_single_type = _lj_owned_rows(single_type=True)
 
 
 @wp.kernel
@@ -200,3 +222,59 @@ def d3_cn_backward_half_list(
     g = (cn_grad[a] + cn_grad[b]) * dcount / r * d
     wp.atomic_add(rows_grad, b, g)
     wp.atomic_sub(rows_grad, a, g)
+
+
+def _owned_half_search(write: bool):
+    """The owned-centred half-pair search: one thread per owned row ``i``, keeping rows ``j > i`` within the cutoff.
+
+    Rows are sorted by cube (x fastest), so the cubes of one (y, z) line of
+    the stencil are contiguous in ``sorted_rows``: one scan per line. The
+    counting variant (``write`` False) stores per-row counts; the writing one
+    stores the pairs from ``offsets[i]``. Two compiled variants, because a
+    run-time "write?" test in the inner loop measured 40 % slower. (Trimming
+    each line to the cutoff sphere scans fewer rows but measured slower too.)
+    """
+
+    @wp.kernel
+    def search(
+        rows: wp.array(dtype=wp.vec3d),
+        sorted_rows: wp.array(dtype=wp.vec3d),
+        order: wp.array(dtype=wp.int32),
+        cell_of: wp.array(dtype=wp.vec3i),
+        cell_start: wp.array(dtype=wp.int32),
+        dims: wp.vec3i,
+        reach: wp.int32,
+        rc2: wp.float64,
+        offsets: wp.array(dtype=wp.int32),
+        first: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        counts: wp.array(dtype=wp.int32),
+    ):
+        i = wp.tid()
+        c = cell_of[i]
+        centre = rows[i]
+        n = wp.int32(0)
+        offset = wp.int32(0)
+        if wp.static(write):
+            offset = offsets[i]
+        x_lo = wp.max(c[0] - reach, 0)
+        x_hi = wp.min(c[0] + reach, dims[0] - 1)
+        for z in range(wp.max(c[2] - reach, 0), wp.min(c[2] + reach + 1, dims[2])):
+            for y in range(wp.max(c[1] - reach, 0), wp.min(c[1] + reach + 1, dims[1])):
+                line = (z * dims[1] + y) * dims[0]
+                for s in range(cell_start[line + x_lo], cell_start[line + x_hi + 1]):
+                    j = order[s]
+                    d = sorted_rows[s] - centre
+                    if j > i and wp.dot(d, d) <= rc2:
+                        if wp.static(write):
+                            first[offset + n] = i
+                            second[offset + n] = j
+                        n += 1
+        if not wp.static(write):
+            counts[i] = n
+
+    return search
+
+
+owned_half_count = _owned_half_search(write=False)
+owned_half_fill = _owned_half_search(write=True)

@@ -2,6 +2,8 @@
 
 Per species pair: ``a12 = 4 eps sigma^12`` and ``b6 = 4 eps sigma^6``, so
 ``u = a12 / r^12 - b6 / r^6 - shift`` with ``r^2`` only (no square root).
+The Warp kernel runs one thread per owned row over the list grouped by that
+row.
 """
 
 from __future__ import annotations
@@ -24,16 +26,25 @@ class LJTables:
     shift: torch.Tensor
     cutoff: float
 
+    @property
+    def params(self) -> torch.Tensor:
+        """``(a12, b6, shift)`` per pair type, ``(T, 3)``, as the Warp kernel reads them."""
+        return torch.stack([self.a12, self.b6, self.shift], dim=1).contiguous()
+
+
+def _pair_types(half: HalfList) -> torch.Tensor:
+    return half.ptype.long() if half.ptype is not None else torch.zeros_like(half.first, dtype=torch.long)
+
 
 def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces) -> None:
-    """Eager twin of the Warp kernel: the same arithmetic with a mask instead of an early return."""
+    """Eager twin of the Warp kernel: the same arithmetic with a mask instead of a branch."""
     first, second = half.first.long(), half.second.long()
     d = rows[second] - rows[first]
     r2 = (d * d).sum(dim=1)
     inside = r2 <= tables.cutoff**2
     inv2 = torch.where(inside, 1.0 / r2, torch.zeros_like(r2))
     inv6 = inv2 * inv2 * inv2
-    t = half.ptype.long()
+    t = _pair_types(half)
     a12, b6 = tables.a12[t], tables.b6[t]
     half_u = torch.where(inside, 0.5 * ((a12 * inv6 - b6) * inv6 - tables.shift[t]), torch.zeros_like(r2))
     energies.index_add_(0, first, half_u).index_add_(0, second, half_u)
@@ -49,12 +60,16 @@ def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weigh
     forces = torch.zeros_like(rows)
     if half.n_pairs == 0:
         return energies, forces
-    kernel = warp_kernel("lj_half_list") if rows.dtype == torch.float64 else None
+    single = tables.a12.numel() == 1
+    kernel = warp_kernel("lj_owned_rows_single_type" if single else "lj_owned_rows") if rows.dtype == torch.float64 else None
     if kernel is None:
         _torch_kernel(rows, half, tables, weight, energies, forces)
         return energies, forces
-    inputs = [rows, half.first, half.second, half.ptype, tables.a12, tables.b6, tables.shift, weight.contiguous(), tables.cutoff**2]
-    launch(kernel, half.n_pairs, rows.device, inputs, [energies, forces])
+    n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
+    grouped = half.grouped(n_owned)
+    ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
+    inputs = [rows, grouped.start, grouped.second, ptype, tables.params, weight.contiguous(), tables.cutoff**2]
+    launch(kernel, n_owned, rows.device, inputs, [energies, forces])
     return energies, forces
 
 

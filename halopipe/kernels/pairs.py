@@ -24,11 +24,17 @@ __all__ = ["HalfList", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
 
 @dataclass(frozen=True)
 class HalfList:
-    """Each unordered pair once (int32 indices, as Warp kernels want), with an optional per-pair type."""
+    """Each unordered pair once (int32 indices, as Warp kernels want), with an optional per-pair type.
+
+    ``start`` (optional, ``n_owned + 1`` offsets) says that the pairs are
+    grouped by their owned row ``first``: row ``a``'s pairs are
+    ``start[a] .. start[a + 1]`` (see :meth:`grouped`).
+    """
 
     first: torch.Tensor
     second: torch.Tensor
     ptype: torch.Tensor | None = None
+    start: torch.Tensor | None = None
 
     @staticmethod
     def from_pairs(pairs: torch.Tensor, n_owned: int, is_half: bool, ptype: torch.Tensor | None = None) -> HalfList:
@@ -44,6 +50,23 @@ class HalfList:
             ptype = ptype[keep] if ptype is not None else None
         as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
         return HalfList(as32(pairs[0]), as32(pairs[1]), as32(ptype) if ptype is not None else None)
+
+    def grouped(self, n_owned: int) -> HalfList:
+        """The same pairs grouped by owned row, with ``start`` offsets (a stable sort only if not grouped yet).
+
+        The owned-centred search already returns its pairs grouped, so this
+        usually costs one check and one prefix sum per rebuild.
+        """
+        if self.start is not None:
+            return self
+        first, second, ptype = self.first, self.second, self.ptype
+        if first.numel() > 1 and not bool((first[1:] >= first[:-1]).all()):
+            order = torch.argsort(first, stable=True)
+            first, second = first[order].contiguous(), second[order].contiguous()
+            ptype = ptype[order].contiguous() if ptype is not None else None
+        start = torch.zeros(n_owned + 1, dtype=torch.int32, device=first.device)
+        start[1:] = torch.cumsum(torch.bincount(first.long(), minlength=n_owned), 0)
+        return HalfList(first, second, ptype, start)
 
     @property
     def n_pairs(self) -> int:
@@ -88,8 +111,8 @@ def warp_kernel(name: str):
 def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: list) -> None:
     """Launch a Warp kernel over ``n_pairs`` threads on torch's device and stream.
 
-    Tensors are passed zero-copy: ``(R, 3)`` float64 as ``vec3d`` arrays,
-    others as they are.
+    Tensors are passed zero-copy: ``(R, 3)`` float64 as ``vec3d`` arrays and
+    ``(R, 3)`` int32 as ``vec3i``, others as they are.
     """
     wp = warp_module()
     wp_device = wp.device_from_torch(device)
@@ -98,7 +121,9 @@ def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: li
     def as_warp(x):
         if not isinstance(x, torch.Tensor):
             return x
-        return wp.from_torch(x, dtype=wp.vec3d) if x.ndim == 2 else wp.from_torch(x)
+        if x.ndim == 2 and x.shape[1] == 3:
+            return wp.from_torch(x, dtype=wp.vec3i if x.dtype == torch.int32 else wp.vec3d)
+        return wp.from_torch(x)
 
     inputs, outputs = [as_warp(x) for x in inputs], [as_warp(x) for x in outputs]
     wp.launch(kernel, dim=n_pairs, inputs=inputs, outputs=outputs, device=wp_device, stream=stream)

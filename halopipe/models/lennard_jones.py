@@ -8,8 +8,9 @@ its energy to each of its atoms.
 
 The work runs in a compiled half-list kernel (:mod:`halopipe.kernels`): the
 model takes the view's half candidate list at ``cutoff + skin`` (each pair
-once) and looks up species-pair parameters once per neighbour-list rebuild;
-each step the kernel skips candidates beyond the cutoff.
+once), groups it by owned row and looks up species-pair parameters once per
+neighbour-list rebuild; each step the kernel skips candidates beyond the
+cutoff.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ..kernels.lennard_jones import LJTables, lj_energies_autograd, lj_energy_forces
 from ..kernels.pairs import HalfList, owned_weight
-from .base import LocalView, Model, ModelOutput, check_positive_length, virial_from_forces
+from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["LennardJones"]
 
@@ -91,19 +92,21 @@ class LennardJones(Model):
         return LJTables(a12.contiguous(), b6.contiguous(), shift.contiguous(), self.cutoff)
 
     def _half_list(self, view: LocalView) -> tuple[HalfList, LJTables]:
-        """Half list and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
+        """Half list grouped by owned row and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
         cached = self._cached
         if cached is not None and cached[0] is view.pairs:
             return cached[1], cached[2]
-        zi, zj = view.numbers[view.pairs[0]], view.numbers[view.pairs[1]]
-        missing = ~self.known[zi, zj]
-        if bool(missing.any()):
-            bad = int(missing.nonzero()[0])
-            raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
         species, species_index = torch.unique(view.numbers, return_inverse=True)
+        if not bool(self.known[species][:, species].all()):  # some species pair lacks parameters: is it in the list?
+            zi, zj = view.numbers[view.pairs[0]], view.numbers[view.pairs[1]]
+            missing = ~self.known[zi, zj]
+            if bool(missing.any()):
+                bad = int(missing.nonzero()[0])
+                raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
         n_species = int(species.numel())
-        ptype = species_index[view.pairs[0]] * n_species + species_index[view.pairs[1]]
-        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype)
+        # One species: a single pair type, which the kernel reads once per row instead of once per pair.
+        ptype = species_index[view.pairs[0]] * n_species + species_index[view.pairs[1]] if n_species > 1 else None
+        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype).grouped(view.n_owned)
         tables = self._tables(species, view.positions.dtype)
         self._cached = (view.pairs, half, tables)
         return half, tables
@@ -114,6 +117,8 @@ class LennardJones(Model):
         if not direct:
             return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
         energies, forces = lj_energy_forces(view.positions, half, tables, owned_weight(view.positions, n))
-        # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
+        # sum (r - c) (x) F about the owned centre, written as sum r (x) F - c (x) sum F (no pass that shifts every
+        # row); the second term removes the origin dependence that the rounding of sum F would otherwise leave.
         centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
-        return ModelOutput(energies=energies[:n], forces=forces, virial=virial_from_forces(view.positions - centre, forces))
+        virial = view.positions.T @ forces - torch.outer(centre, forces.sum(dim=0))
+        return ModelOutput(energies=energies[:n], forces=forces, virial=virial)
