@@ -328,7 +328,7 @@ class SlabMeshTransform(PencilMeshTransform):
 
 
 # ------------------------------------------------------------------ box <-> blocks
-BOX_MARGIN = 2
+BOX_MARGIN = 1
 """Mesh points added on each side of a rank's box, so that its box map outlives small motions of the atoms."""
 
 CACHED_BOX_MAPS = 4
