@@ -250,8 +250,12 @@ class Domain:
         """Ghost rows held by the current plan (all widths)."""
         return int(self.ghost_distance.shape[0])
 
-    def prepare(self, width: float) -> bool:  # pragma: no cover - interface
-        """Make the ghost plan valid for ``width``; returns True if it was rebuilt."""
+    def prepare(self, width: float, problem: str | None = None) -> bool:  # pragma: no cover - interface
+        """Make the ghost plan valid for ``width``; returns True if it was rebuilt.
+
+        ``problem`` (this rank's, or None) is agreed first, as by :meth:`agree`,
+        in the same collective.
+        """
         raise NotImplementedError
 
 
@@ -311,7 +315,8 @@ class LocalDomain(Domain):
             and system.device == self.positions.device
         )
 
-    def prepare(self, width: float) -> bool:
+    def prepare(self, width: float, problem: str | None = None) -> bool:
+        self.agree(problem)
         stale = (
             self._ref is None
             or width > self._width

@@ -272,9 +272,9 @@ class Pipeline(torch.nn.Module):
 
     def _evaluate_on(self, domain: Domain, stress: bool) -> dict:
         problem = domain.problem(self.config) or self.missing_fields(domain.fields)
-        domain.agree(f"Pipeline: {problem}" if problem else None)
+        problem = f"Pipeline: {problem}" if problem else None
         with domain.guard("pipeline evaluation"):
-            out = evaluate(self, domain, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of)
+            out = evaluate(self, domain, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of, problem=problem)
         names = [name for row in self.names for name in row]
         out["halo"] = {name: domain.ghost_count(self.halo_of(s.model)) for name, s in zip(names, self._steps())}
         out["halo"]["exchanged"] = domain.n_exchanged
@@ -305,32 +305,25 @@ def build_view(
 ) -> LocalView:
     """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs.
 
-    ``ghost_positions`` are the owners' positions of all planned ghost rows,
-    fetched once per evaluation; the view reuses them instead of exchanging
-    positions again (its backward still sends ghost gradients home).
+    ``ghost_positions`` are the owners' positions of at least the ghost rows
+    within ``width`` (the prefix is taken), fetched once per evaluation; the
+    view reuses them instead of exchanging positions again. For forces by
+    autograd they must be the differentiable refresh of ``positions``
+    (:func:`_group_ghost_positions`), so ghost gradients go home.
     """
     model = step.model
     n = domain.n_owned
     n_ghost = domain.ghost_count(width)
     ghost_shift = domain.ghost_shift[:n_ghost].to(positions.dtype)
     owned = positions + domain.owned_shift.to(positions.dtype) @ cell
-    known = None if ghost_positions is None else ghost_positions[:n_ghost]
-    rows = torch.cat([owned, domain.ghost_rows(positions, width, known=known) + ghost_shift @ cell])
+    ghosts = domain.ghost_rows(positions, width) if ghost_positions is None else ghost_positions[:n_ghost]
+    rows = torch.cat([owned, ghosts + ghost_shift @ cell])
 
     def refresh(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, domain.ghost_rows(x, width)])
 
-    # One search per rebuild per distinct (rows, cutoff, kind): models with equal cutoffs and widths share it.
     half = bool(getattr(model, "half_list", False))
-    key = (n_ghost, float(model.cutoff), half)
-    cache_key = (key, domain.plan_version)
-    candidates = pair_cache.get(cache_key)
-    if candidates is None:
-        for old in [k for k in pair_cache if k[0] == key]:
-            del pair_cache[old]
-        search = owned_half_pairs if half else owned_pairs
-        candidates = search(rows.detach(), n, model.cutoff + domain.skin)
-        pair_cache[cache_key] = candidates
+    candidates = _candidates(domain, rows.detach(), n_ghost, float(model.cutoff), half, pair_cache)
     if half:
         pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
     else:
@@ -358,6 +351,35 @@ def build_view(
     )
 
 
+def _candidates(domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool, pair_cache: dict) -> torch.Tensor:
+    """Candidate pairs within ``cutoff + skin`` among ``rows`` (owned, then ``n_ghost`` ghosts), once per plan.
+
+    One search per plan and distinct (rows, cutoff, kind): models with equal
+    cutoffs and widths share it. A half list is filtered from a wider cached
+    one of the same plan when there is one (ghost rows are sorted by
+    distance, so a narrower view's rows are a prefix of a wider view's).
+    Lists of older plans are dropped.
+    """
+    version = domain.plan_version
+    for old in [k for k in pair_cache if k[1] != version]:
+        del pair_cache[old]
+    key = ((n_ghost, cutoff, half), version)
+    candidates = pair_cache.get(key)
+    if candidates is not None:
+        return candidates
+    reach = cutoff + domain.skin
+    wider = [c for (k, _), c in pair_cache.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
+    if wider:
+        superset = min(wider, key=lambda c: c.shape[1])
+        superset = superset[:, superset[1] < rows.shape[0]]
+        d = rows[superset[1]] - rows[superset[0]]
+        candidates = superset[:, (d * d).sum(dim=1) <= reach * reach]
+    else:
+        candidates = (owned_half_pairs if half else owned_pairs)(rows, domain.n_owned, reach)
+    pair_cache[key] = candidates
+    return candidates
+
+
 # ---------------------------------------------------------------------- evaluation
 def _volume(cell: torch.Tensor) -> float:
     v = float(torch.linalg.det(cell.detach().to(torch.float64)).abs())
@@ -366,11 +388,15 @@ def _volume(cell: torch.Tensor) -> float:
     return v
 
 
-def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cache: dict | None = None, halo_of=None) -> dict:
+def evaluate(
+    pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cache: dict | None = None, halo_of=None, problem: str | None = None
+) -> dict:
     """Energy, forces (owned rows) and optionally stress of ``pipeline`` on ``domain``.
 
     ``halo_of(model)`` gives the ghost width each model's view uses (default:
     the model's own ``halo``; the widest halo for LAMMPS-like comparison).
+    ``problem``: this rank's reason not to run (or None), raised on every rank
+    before any data moves (agreed in the plan check's reduction).
     Returns ``energy``, ``energies`` (owned atoms), ``model_energies``,
     ``forces`` (owned atoms), ``fields`` and, with ``stress``, ``virial`` and ``stress``.
     """
@@ -378,7 +404,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     halo_of = halo_of or (lambda model: model.halo)
     if stress:
         volume = _volume(domain.cell)
-    domain.prepare(pipeline.halo)
+    domain.prepare(pipeline.halo, problem)
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
     forces = torch.zeros(n, 3, dtype=dtype, device=device)
     energies = torch.zeros(n, dtype=dtype, device=device)
@@ -389,6 +415,7 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
     # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
+    _search_widest_half_list(pipeline, domain, ghost_positions, pair_cache, halo_of)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
     for group in pipeline.groups:
         run = _run_autograd_group if group.autograd else _run_direct_group
@@ -400,10 +427,12 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
             local_energy.append(per_atom.sum())
         produced.update(p)
         broken.append((~torch.isfinite(f).all() | ~torch.isfinite(w).all()).to(dtype))
-    # One reduction for energies and flags: every rank sees the same values and raises the same error.
-    reduced = domain.all_reduce(torch.cat([torch.stack(local_energy).detach(), torch.stack(broken)]))
-    totals = reduced[: len(local_energy)]
-    _raise_if_not_finite(pipeline, totals, reduced[len(local_energy) :])
+    # One reduction for energies, flags and the virial: every rank sees the same values and raises the same error.
+    k = len(local_energy)
+    parts = [torch.stack(local_energy).detach(), torch.stack(broken)] + ([virial.reshape(9)] if stress else [])
+    reduced = domain.all_reduce(torch.cat(parts))
+    totals = reduced[:k]
+    _raise_if_not_finite(pipeline, totals, reduced[k : k + len(broken)])
     names = [name for row in pipeline.names for name in row]
     result = {
         "energy": totals.sum(),
@@ -413,9 +442,26 @@ def evaluate(pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cach
         "fields": produced,
     }
     if stress:
-        result["virial"] = domain.all_reduce(virial)
+        result["virial"] = reduced[k + len(broken) :].reshape(3, 3)
         result["stress"] = -result["virial"] / volume
     return result
+
+
+def _search_widest_half_list(pipeline: Pipeline, domain: Domain, ghost_positions: torch.Tensor, pair_cache: dict, halo_of) -> None:
+    """With several half-list models of different widths or cutoffs, search once at the widest of both (per plan).
+
+    The others then filter their lists from it (:func:`_candidates`) instead of searching again.
+    """
+    needs = {(domain.ghost_count(halo_of(s.model)), float(s.model.cutoff)) for g in pipeline.groups for s in g.steps if s.model.half_list}
+    if len(needs) < 2:
+        return
+    n_ghost, cutoff = max(n for n, _ in needs), max(c for _, c in needs)
+    if ((n_ghost, cutoff, True), domain.plan_version) in pair_cache:
+        return
+    positions, cell = domain.positions.detach(), domain.cell.detach()
+    ghosts = ghost_positions[:n_ghost] + domain.ghost_shift[:n_ghost].to(positions.dtype) @ cell
+    rows = torch.cat([positions + domain.owned_shift.to(positions.dtype) @ cell, ghosts])
+    _candidates(domain, rows, n_ghost, cutoff, True, pair_cache)
 
 
 def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups: torch.Tensor) -> None:
@@ -433,6 +479,16 @@ def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups
             raise NonFiniteError(f"non-finite forces or virial from {models}; {hint}", culprit)
 
 
+def _group_ghost_positions(group: Group, domain: Domain, positions: torch.Tensor, halo_of, ghost_positions: torch.Tensor) -> torch.Tensor:
+    """The ghost rows' owner positions at the group's widest width, as one differentiable refresh of ``positions``.
+
+    Every view of the group takes its prefix, so the backward pass sends the
+    ghost gradients of all the group's models home in one exchange.
+    """
+    width = max(halo_of(s.model) for s in group.steps)
+    return domain.ghost_rows(positions, width, known=ghost_positions[: domain.ghost_count(width)])
+
+
 def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
@@ -446,8 +502,9 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     made: dict[str, torch.Tensor] = {}
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     per_atom_energies = []
+    ghosts = _group_ghost_positions(group, domain, positions, halo_of, ghost_positions)
     for step in group.steps:
-        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, ghost_positions)
+        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, ghosts)
         out = step.model(view)
         energy = energy + out.energies.sum()
         per_atom_energies.append(out.energies.detach())

@@ -1,13 +1,17 @@
 """Pair kernels: the Warp kernel and its eager-torch twin against independent references."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
 from ase.build import bulk
 from ase.calculators.lj import LennardJones as AseLJ
 
-from halopipe import ChargeModel, DomainConfig, Ewald, Group, LennardJones, Pipeline, Step, System
+from halopipe import ChargeModel, DomainConfig, DSFCoulomb, Ewald, Group, LennardJones, Pipeline, Step, System
 from halopipe.kernels import backend as kernel_backend_module
+from halopipe.kernels import charges as charge_kernels
+from halopipe.kernels import coulomb as coulomb_kernels
 from halopipe.kernels import ewald as ewald_kernels
 from halopipe.kernels import lennard_jones as lj_kernels
 from halopipe.kernels import pairs as pair_kernels
@@ -148,3 +152,113 @@ def test_half_list_on_a_wide_halo_matches_the_full_list():
     as_set = lambda p: {tuple(sorted(x)) for x in p.T.tolist()}  # noqa: E731
     assert as_set(half) == as_set(owned_pairs(rows, n_owned, 6.0))
     assert half.shape[1] == len(as_set(half)) and bool((half[0] < n_owned).all())
+
+
+def _dsf_pair(r, alpha, rc):
+    """Fennell-Gezelter DSF pair function, written out in torch (differentiable)."""
+    shift = math.erfc(alpha * rc) / rc
+    slope = math.erfc(alpha * rc) / rc**2 + 2 * alpha / math.sqrt(math.pi) * math.exp(-((alpha * rc) ** 2)) / rc
+    return torch.erfc(alpha * r) / r - shift + slope * (r - rc)
+
+
+def test_dsf_weighted_backward_matches_autograd(backend):
+    """DSF energies and the gradients of sum_i w_i e_i to positions and charges (recompute path) against torch autograd."""
+    atoms = _argon(repeat=1)
+    rows = torch.tensor(atoms.positions, dtype=torch.float64)
+    n = rows.shape[0]
+    charges = torch.linspace(-1.0, 1.2, n, dtype=torch.float64)
+    weights = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
+    alpha, cutoff = 0.3, 4.0
+    model = DSFCoulomb(cutoff, alpha)
+    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows, n, cutoff + 0.5), n, True)
+
+    x, q = rows.clone().requires_grad_(True), charges.clone().requires_grad_(True)
+    e = coulomb_kernels.coulomb_energies_autograd(x, q, half, model._pair, n)
+    got = torch.autograd.grad((e * weights).sum(), [x, q])
+
+    y, p = rows.clone().requires_grad_(True), charges.clone().requires_grad_(True)
+    full = owned_pairs(rows, n, cutoff)
+    r = (y[full[1]] - y[full[0]]).norm(dim=1)
+    u = COULOMB_CONSTANT * p[full[0]] * p[full[1]] * _dsf_pair(r, alpha, cutoff)
+    ref_e = torch.zeros(n, dtype=torch.float64).index_add(0, full[0], 0.5 * u)
+    want = torch.autograd.grad((ref_e * weights).sum(), [y, p])
+    torch.testing.assert_close(e.detach(), ref_e.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(got[1], want[1], atol=1e-12, rtol=0)
+
+
+def test_coordination_weighted_backward_matches_autograd(backend):
+    """Cosine coordination numbers and d(sum_i w_i CN_i)/dr against torch autograd of the formula on the full list."""
+    atoms = _argon(repeat=1)
+    rows = torch.tensor(atoms.positions, dtype=torch.float64)
+    n = rows.shape[0]
+    weights = torch.linspace(-0.7, 1.9, n, dtype=torch.float64)
+    cutoff = 4.2
+    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows, n, cutoff + 0.5), n, True)
+
+    x = rows.clone().requires_grad_(True)
+    cn = charge_kernels.coordination_autograd(x, half, cutoff, n)
+    (got,) = torch.autograd.grad((cn * weights).sum(), x)
+
+    y = rows.clone().requires_grad_(True)
+    full = owned_pairs(rows, n, cutoff)
+    r = (y[full[1]] - y[full[0]]).norm(dim=1)
+    ref = torch.zeros(n, dtype=torch.float64).index_add(0, full[0], 0.5 * (1.0 + torch.cos(math.pi * r / cutoff)))
+    (want,) = torch.autograd.grad((ref * weights).sum(), y)
+    assert int((ref > 0).sum()) == n  # every atom has neighbours within the cutoff: the check is not vacuous
+    torch.testing.assert_close(cn.detach(), ref.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def _with_backend(monkeypatch, name: str, fn):
+    """``fn()`` with the kernel technology ``name`` (caches cleared before and after)."""
+    monkeypatch.setenv("HALOPIPE_KERNELS", name)
+    kernel_backend_module.warp_module.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()
+    try:
+        return fn()
+    finally:
+        kernel_backend_module.warp_module.cache_clear()
+        pair_kernels.warp_kernel.cache_clear()
+
+
+def test_charge_kernels_warp_equal_their_torch_twins(monkeypatch, nacl):
+    """The Warp DSF and coordination kernels against their eager twins on the same half list, weights and charges."""
+    if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_half_list", "_warp_electrostatics")) is None:
+        pytest.skip("NVIDIA Warp is not available here")
+    rows = nacl.positions
+    n = rows.shape[0]
+    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows, n, 6.0), n, True)
+    weights = torch.linspace(0.3, 1.7, n, dtype=torch.float64)
+    charges = nacl.fields["charges"] * torch.linspace(0.8, 1.1, n, dtype=torch.float64)
+    pair = DSFCoulomb(5.5, 0.25)._pair
+
+    def run():
+        cn = charge_kernels.coordination_numbers(rows, half, 5.5)
+        cn_grad = charge_kernels.coordination_gradient(rows, half, 5.5, weights)
+        return (*coulomb_kernels.coulomb_terms(rows, charges, half, pair, weights), cn, cn_grad)
+
+    warp, twin = _with_backend(monkeypatch, "warp", run), _with_backend(monkeypatch, "torch", run)
+    for w, t in zip(warp, twin):
+        assert bool(t.abs().max() > 0)
+        torch.testing.assert_close(w, t, atol=1e-12, rtol=1e-12)
+
+
+def test_check_model_of_dsf_with_each_backend(backend, nacl):
+    """DSF through the kernel: direct and autograd forces and stress against finite differences, periodic and not."""
+    from .conftest import cluster
+
+    check_model(DSFCoulomb(7.0, 0.2), nacl)
+    check_model(DSFCoulomb(6.0, 0.0), cluster(24))
+
+
+def test_wired_charges_into_dsf_with_each_backend(backend, nacl):
+    """ChargeModel -> DSFCoulomb through both kernels: forces and stress (with the chain term) by finite differences."""
+    from halopipe.testing import finite_difference_forces, finite_difference_stress
+
+    pipe = Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(DSFCoulomb(7.0, 0.2))], autograd=True)])
+    out = pipe(nacl, stress=True)
+    fd = finite_difference_forces(pipe, nacl, [0, 5, 11])
+    torch.testing.assert_close(out["forces"][[0, 5, 11]], fd, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["stress"], finite_difference_stress(pipe, nacl), rtol=0, atol=1e-7)
+    check_model(ChargeModel(cutoff=3.5, hardness={11: 2.0, 17: 1.0}), nacl)

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from halopipe import ChargeModel, DomainConfig, DSFCoulomb, Group, LennardJones, Model, ModelOutput, Pipeline, Step
+from halopipe import ChargeModel, DomainConfig, DSFCoulomb, Ewald, Group, LennardJones, Model, ModelOutput, Pipeline, Step
 from halopipe.testing import finite_difference_forces, finite_difference_stress
 
 from .conftest import cluster
@@ -95,7 +95,7 @@ def test_field_crossing_groups_is_rejected():
 
 def test_model_without_direct_forces_cannot_be_in_direct_group():
     with pytest.raises(ValueError, match="does not offer direct forces"):
-        Group([DSFCoulomb()], autograd=False)
+        Group([Ewald()], autograd=False)
 
 
 def test_missing_input_field_is_named():

@@ -192,17 +192,19 @@ class ShardedSystem(Domain):
             raise ValueError(f"ShardedSystem.set_cell: expected a finite (3, 3) cell with non-zero volume, got {cell.tolist()}")
         self.cell = cell
 
-    def prepare(self, width: float) -> bool:
+    def prepare(self, width: float, problem: str | None = None) -> bool:
         """Rebuild plan (with migration) if needed for ``width``; collective.
 
         Rebuilds when some atom moved, beyond the affine motion a changed cell
         imposes, by more than skin/2 minus the strain's share (see
-        :func:`~halopipe.domain.strain_displacement`).
+        :func:`~halopipe.domain.strain_displacement`). ``problem`` is agreed
+        (:meth:`agree`) in the same reduction, before any data moves.
         """
         stale = self.plan is None or width > self._width
         moved = self._displacement(width)
-        flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(stale)], dtype=torch.float64)
+        flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(stale), float(problem is not None)], dtype=torch.float64)
         flags = self.comm.all_reduce(flags, "max")
+        self.comm.raise_agreed(problem, bool(flags[2] > 0))
         threshold = 0.5 * self.skin if self.skin > 0 else 0.0
         if flags[1] > 0 or flags[0] > threshold:
             # never narrower than planned before; the global displacement bounds how far any atom can migrate

@@ -12,6 +12,7 @@ backward): each pair's force carries ``(weight_a + weight_b) / 2``.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 
 from .backend import warp_module
 
-__all__ = ["HalfList", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
+__all__ = ["HalfList", "HalfListCache", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,25 @@ class HalfList:
         return int(self.first.numel())
 
 
+class HalfListCache:
+    """A model's :class:`HalfList`, converted once per neighbour-list rebuild.
+
+    A view's candidate pairs are the same tensor object until the next
+    rebuild, so the tensor's identity keys the cache.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: torch.Tensor | None = None
+        self._half: HalfList | None = None
+
+    def get(self, pairs: torch.Tensor, n_owned: int, is_half: bool) -> HalfList:
+        """The half list of ``pairs`` (see :meth:`HalfList.from_pairs`)."""
+        if pairs is not self._pairs:
+            self._half = HalfList.from_pairs(pairs, n_owned, is_half)
+            self._pairs = pairs
+        return self._half
+
+
 def owned_weight(rows: torch.Tensor, n_owned: int) -> torch.Tensor:
     """Weights 1 on owned rows, 0 on ghost rows (direct forces of the owned energy)."""
     weight = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
@@ -93,16 +113,15 @@ def uniform_scale(grad: torch.Tensor) -> float | None:
 
 
 @functools.cache
-def warp_kernel(name: str):
-    """The compiled Warp kernel ``name`` of :mod:`._warp_pairs`, or None (with a warning) when Warp cannot build it."""
+def warp_kernel(name: str, source: str = "_warp_pairs"):
+    """The compiled Warp kernel ``name`` of the Warp source module ``source``, or None (with a warning) when Warp cannot build it."""
     wp = warp_module()
     if wp is None:
         return None
     try:
-        from . import _warp_pairs
-
-        wp.load_module(_warp_pairs, device="cpu")
-        return getattr(_warp_pairs, name)
+        module = importlib.import_module(f"{__package__}.{source}")
+        wp.load_module(module, device="cpu")
+        return getattr(module, name)
     except Exception as exc:  # no compiler, unsupported platform: fall back, never crash
         warnings.warn(f"halopipe: Warp kernel build failed ({exc}); pair kernels run in eager torch", stacklevel=2)
         return None

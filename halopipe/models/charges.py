@@ -11,6 +11,8 @@ The sum over all atoms goes through ``view.global_sum``, so the correction is
 global under domain decomposition and every charge depends, through it, on
 every position: the chain term ``dE/dq * dq/dr`` reaches across ranks.
 Optionally the model adds a charge self-energy ``e_i = J_Z q_i^2 / 2``.
+Coordination numbers come from a compiled half-list kernel with an analytic
+backward (:mod:`halopipe.kernels.charges`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ..kernels.charges import coordination_autograd
+from ..kernels.pairs import HalfListCache
 from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["ChargeModel", "PAULING_ELECTRONEGATIVITY"]
@@ -80,6 +84,7 @@ class ChargeModel(Model):
     """
 
     outputs = frozenset({"charges"})
+    half_list = True
 
     def __init__(
         self, cutoff: float = 4.0, electronegativity=None, coordination_weight=0.02, total_charge: float = 0.0, hardness=0.0
@@ -99,6 +104,7 @@ class ChargeModel(Model):
         self.register_buffer("known", known)
         self.register_buffer("weight", weight)
         self.register_buffer("hardness", hard)
+        self._half = HalfListCache()
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         n = view.n_owned
@@ -107,8 +113,7 @@ class ChargeModel(Model):
             bad = int(z[~self.known[z]][0])
             raise ValueError(f"ChargeModel: no electronegativity for atomic number {bad}; pass electronegativity={{{bad}: value}}")
         dtype = view.positions.dtype
-        fc = 0.5 * (1.0 + torch.cos(math.pi * view.distances / self.cutoff))
-        cn = torch.zeros(n, dtype=dtype, device=view.positions.device).index_add(0, view.pairs[0], fc)
+        cn = coordination_autograd(view.positions, self._half.get(view.pairs, view.n_owned, view.half_list), self.cutoff, n)
         raw = self.chi[z].to(dtype) - self.weight[z].to(dtype) * cn
         excess = view.global_sum(raw.sum()) - self.total_charge
         charges = raw - excess / view.n_total

@@ -9,16 +9,20 @@ smoothly to zero at the cutoff ``R_c``::
         - k sum_i q_i^2 [ erfc(a R_c)/(2 R_c) + a/sqrt(pi) ]
 
 It consumes the per-atom field ``charges`` (static, or wired from a charge
-model with its graph).
+model with its graph). The pair sum runs in a compiled half-list kernel
+(:mod:`halopipe.kernels.coulomb`, shared with Ewald's real space) that returns
+energies, forces and ``dE/dq`` in one pass: with static charges the model gives
+direct forces; in an autograd group an analytic backward carries ``dE/dq`` to
+the charge model, so the wired chain term stays exact.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from .base import LocalView, Model, ModelOutput, check_positive_length
+from ..kernels.coulomb import DampedCoulomb, coulomb_energies_autograd, coulomb_terms
+from ..kernels.pairs import HalfListCache, owned_weight
+from .base import LocalView, Model, ModelOutput, check_positive_length, virial_from_forces
 
 __all__ = ["DSFCoulomb", "COULOMB_CONSTANT"]
 
@@ -42,6 +46,8 @@ class DSFCoulomb(Model):
     """
 
     inputs = frozenset({"charges"})
+    direct_forces = True
+    half_list = True
 
     def __init__(self, cutoff: float = 10.0, alpha: float = 0.2) -> None:
         super().__init__()
@@ -50,18 +56,20 @@ class DSFCoulomb(Model):
             raise ValueError(f"DSFCoulomb: alpha must be a finite number >= 0 (1/Å), got {alpha!r}")
         self.cutoff, self.alpha = cutoff, float(alpha)
         a, rc = self.alpha, self.cutoff
-        self._erfc_rc = math.erfc(a * rc) / rc
-        self._slope = math.erfc(a * rc) / rc**2 + 2 * a / math.sqrt(math.pi) * math.exp(-((a * rc) ** 2)) / rc
+        shift = math.erfc(a * rc) / rc
+        slope = math.erfc(a * rc) / rc**2 + 2 * a / math.sqrt(math.pi) * math.exp(-((a * rc) ** 2)) / rc
+        self._pair = DampedCoulomb(rc, a, COULOMB_CONSTANT, shift, slope)
         self._self = math.erfc(a * rc) / (2 * rc) + a / math.sqrt(math.pi)
+        self._half = HalfListCache()
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         q = view.fields["charges"].to(view.positions.dtype)
-        i, j = view.pairs
-        r = view.distances
-        pair = torch.erfc(self.alpha * r) / r - self._erfc_rc + self._slope * (r - self.cutoff)
-        # Directed pairs: each unordered pair appears from both owned ends, hence the 1/2.
-        e_pair = 0.5 * COULOMB_CONSTANT * q[i] * q[j] * pair
-        q_owned = q[: view.n_owned]
-        energies = (-COULOMB_CONSTANT * self._self) * q_owned * q_owned
-        energies = energies.index_add(0, i, e_pair)
-        return ModelOutput(energies=energies)
+        n = view.n_owned
+        half = self._half.get(view.pairs, view.n_owned, view.half_list)
+        self_energies = (-COULOMB_CONSTANT * self._self) * q[:n] * q[:n]
+        if not direct:
+            return ModelOutput(energies=coulomb_energies_autograd(view.positions, q, half, self._pair, n) + self_energies)
+        energies, forces, _ = coulomb_terms(view.positions, q, half, self._pair, owned_weight(view.positions, n))
+        # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
+        centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
+        return ModelOutput(energies=energies[:n] + self_energies, forces=forces, virial=virial_from_forces(view.positions - centre, forces))
