@@ -69,44 +69,6 @@ lj_owned_rows_single_type = _lj_owned_rows(single_type=True)
 
 
 @wp.kernel
-def ewald_real_half_list(
-    rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
-    second: wp.array(dtype=wp.int32),
-    charges: wp.array(dtype=wp.float64),
-    weight: wp.array(dtype=wp.float64),
-    rc2: wp.float64,
-    alpha: wp.float64,
-    coulomb: wp.float64,
-    energies: wp.array(dtype=wp.float64),
-    forces: wp.array(dtype=wp.vec3d),
-    charge_grad: wp.array(dtype=wp.float64),
-):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc2:
-        return
-    r = wp.sqrt(r2)
-    screened = coulomb * wp.erfc(alpha * r) / r  # k_e erfc(alpha r) / r
-    qa = charges[a]
-    qb = charges[b]
-    half = wp.float64(0.5) * qa * qb * screened
-    wp.atomic_add(energies, a, half)
-    wp.atomic_add(energies, b, half)
-    c = wp.float64(0.5) * (weight[a] + weight[b])
-    wp.atomic_add(charge_grad, a, c * qb * screened)
-    wp.atomic_add(charge_grad, b, c * qa * screened)
-    # -du/dr / r with u = q_a q_b k_e erfc(alpha r) / r
-    gauss = coulomb * wp.float64(1.1283791670955126) * alpha * wp.exp(-alpha * alpha * r2)  # k_e 2 alpha / sqrt(pi) exp(-alpha^2 r^2)
-    f = (c * qa * qb * (screened + gauss) / r2) * d
-    wp.atomic_add(forces, b, f)
-    wp.atomic_sub(forces, a, f)
-
-
-@wp.kernel
 def d3_bj_half_list(
     rows: wp.array(dtype=wp.vec3d),
     first: wp.array(dtype=wp.int32),
