@@ -2,8 +2,7 @@
 
 :class:`Comm` is the only place that talks to other ranks. It offers
 
-* point-to-point exchange of tensors with a few peers (``exchange``; one
-  all-to-all on gloo groups of at most 4 ranks, where it is faster), used by
+* point-to-point exchange of tensors with a few peers (``exchange``), used by
   the halo and by migration: no all-gather of positions anywhere; the send
   counts that precede them go to the same peers (``exchange_counts`` with
   ``peers``), so a rebuild talks to its neighbours only;
@@ -42,7 +41,6 @@ import atexit
 import contextlib
 import copy
 import datetime
-import math
 import queue
 import threading
 import time
@@ -55,7 +53,6 @@ __all__ = ["Comm", "DistributedError", "GlobalSum"]
 POLL_SECONDS = 0.05  # a wait longer than this checks the store for peer failures, then every POLL_SECONDS
 REPORT_GRACE_SECONDS = 1.0  # after a communication error, how long to look for a peer's reported cause
 TOLD_WAIT_SECONDS = 3.0  # how long a rank that read a peer's report stays for the others to read it
-GLOO_ALL_TO_ALL_RANKS = 4  # exchange: one all-to-all on gloo groups this small (see Comm.exchange)
 CONNECT_SECONDS = 300.0  # how long creating a group waits for the other ranks (operations then use the timeout)
 _COUNTERS = ("bytes_sent", "all_to_all_bytes", "messages_sent", "collectives", "reduce_bytes")
 
@@ -254,17 +251,12 @@ class Comm:
     def exchange(
         self, sends: dict[int, torch.Tensor], recv_shapes: dict[int, tuple], dtype: torch.dtype, device
     ) -> dict[int, torch.Tensor]:
-        """Send ``sends[peer]`` to each peer and receive ``recv_shapes[peer]`` from each (every rank calls it).
+        """Send ``sends[peer]`` to each peer and receive ``recv_shapes[peer]`` from each, point to point.
 
         A message to oneself is passed through locally. Empty messages are
-        skipped on both sides (both sides know the sizes). Messages go point to
-        point to the peers, except on a gloo group of at most
-        ``GLOO_ALL_TO_ALL_RANKS`` ranks: there they travel in one
-        ``all_to_all_single``, because gloo's send/recv took about 3 ms per
-        message pair on a busy 2-core node and its all-to-all 0.2-0.4 ms
-        (measured), while on so few ranks the peers are (nearly) all ranks, so
-        the all-to-all sends no more messages. On more ranks point to point
-        keeps the messages per rank bounded by the peers, whatever ``P``.
+        skipped on both sides (both sides know the sizes). (One gloo
+        ``all_to_all_single`` per exchange was faster on 2 ranks here, but
+        aborted a rank now and then under torchrun with 4 ranks, so it is not used.)
         """
         out: dict[int, torch.Tensor] = {}
         outgoing: dict[int, torch.Tensor] = {}
@@ -284,9 +276,7 @@ class Comm:
                 out[peer] = torch.empty(shape, dtype=dtype, device=device)
             elif peer != self.rank:
                 incoming[peer] = tuple(shape)
-        if self.distributed and self.backend == "gloo" and self.size <= GLOO_ALL_TO_ALL_RANKS:
-            out.update(self._all_to_all_messages(outgoing, incoming, dtype))
-        elif outgoing or incoming:
+        if outgoing or incoming:
             self._tag += 1
             received = {peer: torch.empty(shape, dtype=dtype, device=self.device) for peer, shape in incoming.items()}
             ops = [dist.P2POp(dist.isend, t, group=self.group, tag=self._tag, group_peer=p) for p, t in outgoing.items()]
@@ -294,18 +284,6 @@ class Comm:
             self._run(lambda: dist.batch_isend_irecv(ops), p2p=True)
             out.update(received)
         return {peer: t.to(device) for peer, t in out.items()}
-
-    def _all_to_all_messages(self, outgoing: dict[int, torch.Tensor], incoming: dict[int, tuple], dtype) -> dict[int, torch.Tensor]:
-        """Deliver ``outgoing[peer]`` and receive tensors of shapes ``incoming[peer]`` in one ``all_to_all_single``."""
-        send_sizes = [outgoing[r].numel() if r in outgoing else 0 for r in range(self.size)]
-        recv_sizes = [math.prod(incoming[r]) if r in incoming else 0 for r in range(self.size)]
-        pieces = [outgoing[r].reshape(-1) for r in sorted(outgoing)]
-        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype, device=self.device)
-        received = torch.empty(sum(recv_sizes), dtype=dtype, device=self.device)
-        self.collectives += 1
-        self._run(lambda: [dist.all_to_all_single(received, flat, recv_sizes, send_sizes, group=self.group, async_op=True)])
-        by_rank = torch.split(received, recv_sizes)
-        return {peer: by_rank[peer].view(shape) for peer, shape in incoming.items()}
 
     # ---------------------------------------------------------------- errors
     def agree(self, problem: str | None) -> None:
