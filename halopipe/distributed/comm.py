@@ -260,6 +260,7 @@ class Comm:
         """
         out: dict[int, torch.Tensor] = {}
         outgoing: dict[int, torch.Tensor] = {}
+        self._tag += 1  # on every call, with or without messages, so the tags of all ranks stay in step
         for peer, tensor in sends.items():
             if tensor.shape[0] == 0:
                 continue
@@ -277,7 +278,6 @@ class Comm:
             elif peer != self.rank:
                 incoming[peer] = tuple(shape)
         if outgoing or incoming:
-            self._tag += 1
             received = {peer: torch.empty(shape, dtype=dtype, device=self.device) for peer, shape in incoming.items()}
             ops = [dist.P2POp(dist.isend, t, group=self.group, tag=self._tag, group_peer=p) for p, t in outgoing.items()]
             ops += [dist.P2POp(dist.irecv, buf, group=self.group, tag=self._tag, group_peer=p) for p, buf in received.items()]
