@@ -520,6 +520,16 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     return forces.detach(), virial.detach(), per_atom_energies, made
 
 
+def _check_direct_output(model, out, n_owned: int, n_rows: int) -> None:
+    """A direct-force model returned forces for every row (or only the owned ones, when ``ghost_forces`` is False) and a virial."""
+    if out.forces is None or out.virial is None:
+        raise RuntimeError(f"{model.name}: asked for direct forces but returned none")
+    rows = n_rows if model.ghost_forces else n_owned
+    if out.forces.shape[0] != rows:
+        which = "every row of its view" if model.ghost_forces else "its owned rows only (ghost_forces is False)"
+        raise RuntimeError(f"{model.name}: direct forces have {out.forces.shape[0]} rows, expected {rows}: {which}")
+
+
 def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
     n = domain.n_owned
     positions, cell = domain.positions.detach(), domain.cell.detach()
@@ -531,9 +541,10 @@ def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, 
             width = halo_of(step.model)
             view = build_view(domain, step, width, positions, cell, static, pair_cache, ghost_positions)
             out = step.model(view, direct=True)
-            if out.forces is None or out.virial is None:
-                raise RuntimeError(f"{step.model.name}: asked for direct forces but returned none")
-            forces += out.forces[:n] + domain.fold_ghosts(out.forces[n:], width)
+            _check_direct_output(step.model, out, n, view.n_rows)
+            forces += out.forces[:n]
+            if step.model.ghost_forces:  # a class property, so every rank agrees whether this collective runs
+                forces += domain.fold_ghosts(out.forces[n:], width)
             virial += out.virial
             per_atom_energies.append(out.energies)
     return forces, virial, per_atom_energies, {}

@@ -14,7 +14,7 @@ import torch
 
 from .pairs import HalfList, launch, owned_weight, uniform_scale, warp_kernel
 
-__all__ = ["LJTables", "lj_energy_forces", "lj_energies_autograd"]
+__all__ = ["LJTables", "lj_energy_forces", "lj_direct", "lj_energies_autograd"]
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,12 @@ def _pair_types(half: HalfList) -> torch.Tensor:
     return half.ptype.long() if half.ptype is not None else torch.zeros_like(half.first, dtype=torch.long)
 
 
-def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces) -> None:
-    """Eager twin of the Warp kernel: the same arithmetic with a mask instead of a branch."""
+def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces, rest=None) -> None:
+    """Eager twin of the Warp kernels: the same arithmetic with a mask instead of a branch.
+
+    With ``rest`` (owned rows), the twin of the complete kernel: owned weights,
+    and each ghost pair's left-out half of the force added to ``rest``.
+    """
     first, second = half.first.long(), half.second.long()
     d = rows[second] - rows[first]
     r2 = (d * d).sum(dim=1)
@@ -51,6 +55,9 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
     c = 0.5 * (weight[first] + weight[second])
     f = (c * (12.0 * a12 * inv6 - 6.0 * b6) * inv6 * inv2)[:, None] * d
     forces.index_add_(0, second, f).index_add_(0, first, -f)
+    if rest is not None:
+        ghost = second >= rest.shape[0]
+        rest.index_add_(0, first[ghost], -f[ghost])
 
 
 def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +78,37 @@ def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weigh
     inputs = [rows, grouped.start, grouped.second, ptype, tables.params, weight.contiguous(), tables.cutoff**2]
     launch(kernel, n_owned, rows.device, inputs, [energies, forces])
     return energies, forces
+
+
+def lj_direct(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Owned energies (n_owned,), complete owned forces (n_owned, 3) and this rank's virial (3, 3).
+
+    The forces need no ghost rows folded home: a pair with a ghost is
+    evaluated by both ranks that hold it, each keeping the force on its own
+    atom (LAMMPS's ``newton off``), which costs no extra pair work here
+    because the owned-centred half list already holds such a pair on both
+    sides. The virial is that of this rank's energy share (each ghost pair
+    at weight 1/2), so the ranks' virials sum to the total.
+    """
+    rows = rows.detach().contiguous()
+    energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
+    forces = torch.zeros_like(rows)
+    rest = rows.new_zeros(n_owned, 3)
+    if half.n_pairs:
+        single = tables.a12.numel() == 1
+        kernel = warp_kernel("lj_owned_complete_single_type" if single else "lj_owned_complete") if rows.dtype == torch.float64 else None
+        if kernel is None:
+            _torch_kernel(rows, half, tables, owned_weight(rows, n_owned), energies, forces, rest)
+        else:
+            grouped = half.grouped(n_owned)
+            ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
+            inputs = [rows, grouped.start, grouped.second, ptype, tables.params, n_owned, tables.cutoff**2]
+            launch(kernel, n_owned, rows.device, inputs, [energies, forces, rest])
+    # sum (r - c) (x) F about the owned centre, written as sum r (x) F - c (x) sum F (no pass that shifts every
+    # row); the second term removes the origin dependence that the rounding of sum F would otherwise leave.
+    centre = rows[:n_owned].mean(dim=0) if n_owned else rows.new_zeros(3)
+    virial = rows.T @ forces - torch.outer(centre, forces.sum(dim=0))
+    return energies[:n_owned], forces[:n_owned] + rest, virial
 
 
 class _LJEnergies(torch.autograd.Function):

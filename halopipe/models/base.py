@@ -110,7 +110,8 @@ class ModelOutput:
 
     ``energies`` (n_owned,) per-atom energies, eV. ``fields`` produced per-atom
     tensors for the owned rows. ``forces`` (R, 3) and ``virial`` (3, 3) only for
-    direct-force evaluation. ``virial`` is this view's share of
+    direct-force evaluation; ``forces`` has only the owned rows, (n_owned, 3),
+    for a model whose ``ghost_forces`` is False. ``virial`` is this view's share of
     ``W = -dE/d(strain)``, which for a translation-invariant energy equals
     ``sum_i r_i (x) f_i`` over the view's rows (:func:`virial_from_forces`);
     stress is ``-W / volume``.
@@ -128,7 +129,10 @@ class Model(torch.nn.Module):
     Subclasses set ``cutoff`` (Å, the neighbour list the model needs), and may
     set ``inputs`` / ``outputs`` (names of per-atom fields consumed / produced),
     ``direct_forces`` (True if :meth:`forward` can return forces and virial
-    without autograd), ``half_list`` (True to receive the unfiltered half
+    without autograd), ``ghost_forces`` (False if those direct forces are
+    complete on the owned rows, so no ghost row's force has to be folded home:
+    each pair with a ghost is then evaluated by both ranks that hold it, as
+    LAMMPS's ``newton off``), ``half_list`` (True to receive the unfiltered half
     candidate list, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
     the cutoff are needed.
     """
@@ -137,6 +141,7 @@ class Model(torch.nn.Module):
     inputs: frozenset[str] = frozenset()
     outputs: frozenset[str] = frozenset()
     direct_forces: bool = False
+    ghost_forces: bool = True
     half_list: bool = False
 
     @property

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernels.lennard_jones import LJTables, lj_energies_autograd, lj_energy_forces
-from ..kernels.pairs import HalfList, owned_weight
+from ..kernels.lennard_jones import LJTables, lj_direct, lj_energies_autograd
+from ..kernels.pairs import HalfList
 from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["LennardJones"]
@@ -65,6 +65,7 @@ class LennardJones(Model):
     """
 
     direct_forces = True
+    ghost_forces = False  # direct forces are complete on owned rows (see kernels.lennard_jones.lj_direct)
     half_list = True
 
     def __init__(self, epsilon=0.0103, sigma=3.4, cutoff: float = 8.5, shift: bool = True) -> None:
@@ -116,9 +117,5 @@ class LennardJones(Model):
         n = view.n_owned
         if not direct:
             return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
-        energies, forces = lj_energy_forces(view.positions, half, tables, owned_weight(view.positions, n))
-        # sum (r - c) (x) F about the owned centre, written as sum r (x) F - c (x) sum F (no pass that shifts every
-        # row); the second term removes the origin dependence that the rounding of sum F would otherwise leave.
-        centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
-        virial = view.positions.T @ forces - torch.outer(centre, forces.sum(dim=0))
-        return ModelOutput(energies=energies[:n], forces=forces, virial=virial)
+        energies, forces, virial = lj_direct(view.positions, half, tables, n)
+        return ModelOutput(energies=energies, forces=forces, virial=virial)
