@@ -262,3 +262,23 @@ def test_wired_charges_into_dsf_with_each_backend(backend, nacl):
     torch.testing.assert_close(out["forces"][[0, 5, 11]], fd, rtol=0, atol=1e-6)
     torch.testing.assert_close(out["stress"], finite_difference_stress(pipe, nacl), rtol=0, atol=1e-7)
     check_model(ChargeModel(cutoff=3.5, hardness={11: 2.0, 17: 1.0}), nacl)
+
+
+def test_erfc_sharing_the_force_exponential_matches_libm(monkeypatch):
+    """The damped-Coulomb kernel's erfc (Cody's rationals times the force's exp(-x^2)) against torch's (libm's) erfc."""
+    if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_half_list", "_warp_electrostatics")) is None:
+        pytest.skip("NVIDIA Warp is not available here")
+    import warp as wp
+
+    from halopipe.kernels import _warp_electrostatics as source
+
+    @wp.kernel
+    def erfc_of(x: wp.array(dtype=wp.float64), out: wp.array(dtype=wp.float64)):
+        i = wp.tid()
+        out[i] = source.erfc_given_gauss(x[i], wp.exp(-x[i] * x[i]))
+
+    # every branch and both branch points; erfc falls to 1.5e-16 at x = 5.9
+    x = torch.cat([torch.linspace(0.0, 5.9, 100_001, dtype=torch.float64), torch.tensor([0.46875, 4.0], dtype=torch.float64)])
+    out = torch.zeros_like(x)
+    wp.launch(erfc_of, dim=x.numel(), inputs=[wp.from_torch(x)], outputs=[wp.from_torch(out)], device="cpu")
+    torch.testing.assert_close(out, torch.special.erfc(x), rtol=5e-15, atol=0.0)
