@@ -28,6 +28,7 @@ from halopipe.dynamics import MTKNPT, AnisotropicCellRescaling, Simulation, load
 from halopipe.dynamics.units import KB
 
 from ..conftest import triclinic_nacl
+from ._ase_npt import conserved_spread, to_ase
 from ._npt_workers import PRESSURE, TEMPERATURE, npt_ewald_run, npt_run, sheared_argon, strained_forces
 from ._workers import argon, lj
 
@@ -35,21 +36,11 @@ STEPS, HALF = 200, 90
 DT, TDAMP, PDAMP = 2.0, 50.0, 200.0
 
 
-def _to_ase(sim: Simulation) -> Atoms:
-    start = sim.system()
-    atoms = Atoms(
-        numbers=start.numbers.numpy(), positions=start.positions.numpy(), cell=start.cell.numpy(), pbc=True, masses=start.masses.numpy()
-    )
-    atoms.set_velocities(start.fields["velocities"].numpy() / units.fs)  # Å/fs -> Å per ASE time unit
-    atoms.calc = AseLennardJones(sigma=3.4, epsilon=0.0104, rc=6.0, smooth=False)
-    return atoms
-
-
 def _compare_with_ase(system: System, integrator: MTKNPT, make_ase, steps: int = 50) -> tuple[Simulation, Atoms]:
     integrator.momentum_conserved = False  # ASE counts Nf = 3N degrees of freedom; halopipe's default is 3N - 3
     sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=0.4)), system, integrator)
     sim.set_velocities(TEMPERATURE, seed=3)
-    atoms = _to_ase(sim)
+    atoms = to_ase(sim)
     ase_md = make_ase(atoms)
     sim.run(steps)
     ase_md.run(steps)
@@ -96,23 +87,12 @@ def test_masked_trajectory_equals_ase_masked_mtknpt(mask, axes):
     assert np.abs(atoms.cell.array - np.diag(np.diag(atoms.cell.array))).max() < 1e-12, "no shear"
 
 
-def _conserved_spread(timestep: float, time_fs: float) -> float:
-    integrator = MTKNPT(timestep, TEMPERATURE, PRESSURE, tdamp=TDAMP, pdamp=PDAMP)
-    sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=0.4)), sheared_argon(), integrator)
-    sim.set_velocities(TEMPERATURE, seed=5)
-    sim.run(0)
-    values = [sim.thermo()["conserved"]]
-    for _ in range(int(time_fs / timestep / 10)):
-        sim.run(10)
-        values.append(sim.thermo()["conserved"])
-    return max(values) - min(values)
-
-
 @pytest.mark.timeout(120)
 def test_triclinic_conserved_quantity_error_is_second_order_in_the_timestep():
     # Over the same 400 fs of a strongly deforming cell, the extended energy's excursion shrinks ~4x when dt halves.
     # Measured: 2.9e-3, 7.6e-4 and 2.2e-4 eV at dt = 4, 2 and 1 fs (108 atoms, 300 K, the cell shearing back).
-    coarse, fine = _conserved_spread(4.0, 400.0), _conserved_spread(2.0, 400.0)
+    barostat = lambda dt: MTKNPT(dt, TEMPERATURE, PRESSURE, tdamp=TDAMP, pdamp=PDAMP)  # noqa: E731
+    coarse, fine = (conserved_spread(sheared_argon(), barostat(dt), TEMPERATURE, 400.0) for dt in (4.0, 2.0))
     assert coarse < 4e-3 * 108 * 0.0104, "excursion below 0.4 % of epsilon per atom at dt = 4 fs"
     assert 2.5 < coarse / fine < 6.5, f"ratio {coarse / fine:.2f}"
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ase import Atoms, units
-from ase.calculators.lj import LennardJones as AseLennardJones
+from ase import units
 from ase.md.nose_hoover_chain import IsotropicMTKNPT as AseIsotropicMTKNPT
 
 from halopipe import Pipeline
@@ -22,6 +21,7 @@ from halopipe.distributed import DomainConfig
 from halopipe.distributed.launch import spawn
 from halopipe.dynamics import IsotropicMTKNPT, Simulation, load_checkpoint
 
+from ._ase_npt import conserved_spread, to_ase
 from ._npt_workers import PRESSURE, TEMPERATURE, npt, npt_run
 from ._workers import argon, lj
 
@@ -33,16 +33,6 @@ def single():
     return npt_run(STEPS)
 
 
-def _to_ase(sim: Simulation) -> Atoms:
-    start = sim.system()
-    atoms = Atoms(
-        numbers=start.numbers.numpy(), positions=start.positions.numpy(), cell=start.cell.numpy(), pbc=True, masses=start.masses.numpy()
-    )
-    atoms.set_velocities(start.fields["velocities"].numpy() / units.fs)  # Å/fs -> Å per ASE time unit
-    atoms.calc = AseLennardJones(sigma=3.4, epsilon=0.0104, rc=6.0, smooth=False)
-    return atoms
-
-
 @pytest.mark.timeout(120)
 def test_same_trajectory_as_ase_isotropic_mtk():
     dt, tdamp, pdamp = 2.0, 50.0, 200.0
@@ -50,7 +40,7 @@ def test_same_trajectory_as_ase_isotropic_mtk():
     integrator.momentum_conserved = False  # ASE counts Nf = 3N degrees of freedom; halopipe's default is 3N - 3
     sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=0.4)), argon(cells=3), integrator)
     sim.set_velocities(TEMPERATURE, seed=3)
-    atoms = _to_ase(sim)
+    atoms = to_ase(sim)
     ase_md = AseIsotropicMTKNPT(atoms, dt * units.fs, TEMPERATURE, PRESSURE * units.bar, tdamp * units.fs, pdamp * units.fs)
     volume0 = atoms.get_volume()
     sim.run(50)
@@ -64,21 +54,10 @@ def test_same_trajectory_as_ase_isotropic_mtk():
     assert sim.thermo()["conserved"] == pytest.approx(ase_md.get_conserved_energy(), abs=1e-10)
 
 
-def _conserved_spread(timestep: float, time_fs: float) -> float:
-    sim = Simulation(Pipeline([lj()], config=DomainConfig(skin=0.4)), argon(cells=3), npt(timestep))
-    sim.set_velocities(TEMPERATURE, seed=5)
-    sim.run(0)
-    values = [sim.thermo()["conserved"]]
-    for _ in range(int(time_fs / timestep / 10)):
-        sim.run(10)
-        values.append(sim.thermo()["conserved"])
-    return max(values) - min(values)
-
-
 @pytest.mark.timeout(120)
 def test_conserved_quantity_error_is_second_order_in_the_timestep():
     # Over the same 400 fs of a strongly expanding box, the extended energy's excursion shrinks ~4x when dt halves.
-    coarse, fine = _conserved_spread(4.0, 400.0), _conserved_spread(2.0, 400.0)
+    coarse, fine = (conserved_spread(argon(cells=3), npt(dt), TEMPERATURE, 400.0) for dt in (4.0, 2.0))
     assert coarse < 2e-3 * 108 * 0.0104, "drift below 0.2 % of epsilon per atom at dt = 4 fs"
     assert 2.5 < coarse / fine < 6.5, f"ratio {coarse / fine:.2f}"
 
