@@ -13,7 +13,7 @@ import warp as wp
 wp.set_module_options({"enable_backward": False})
 
 
-def _lj_owned_rows(single_type: bool):
+def _lj_owned_rows(single_type: bool, complete: bool):
     """Lennard-Jones over a half list grouped by owned row: one thread per owned row ``a``.
 
     The thread walks its pairs ``start[a] .. start[a + 1]``, keeps the force
@@ -22,6 +22,13 @@ def _lj_owned_rows(single_type: bool):
     type (``single_type``) the parameters are loaded once per thread instead
     of once per pair. (Accumulating the virial here too measured 20 % slower
     than one matrix product over the rows afterwards.)
+
+    ``complete`` (direct forces, owned weights: 1 below ``n_owned``, 0 on
+    ghosts) also writes ``rest[a]``, the half of each ghost pair's force that
+    ``a``'s weighted force leaves out: ``forces[a] + rest[a]`` is then ``a``'s
+    complete force, since the ghost's owner evaluates the same pair from its
+    side (LAMMPS's ``newton off``), while ``forces`` as written still gives the
+    virial of this rank's energy share, ``sum_rows r (x) f``.
     """
 
     @wp.kernel
@@ -32,15 +39,18 @@ def _lj_owned_rows(single_type: bool):
         ptype: wp.array(dtype=wp.int32),
         params: wp.array(dtype=wp.vec3d),
         weight: wp.array(dtype=wp.float64),
+        n_owned: wp.int32,
         rc2: wp.float64,
         energies: wp.array(dtype=wp.float64),
         forces: wp.array(dtype=wp.vec3d),
+        rest: wp.array(dtype=wp.vec3d),
     ):
         a = wp.tid()
         ra = rows[a]
         wa = weight[a]
         p = params[0]  # (a12, b6, shift) of the only pair type, or overwritten per pair
         fa = wp.vec3d()
+        ra_rest = wp.vec3d()
         ea = wp.float64(0.0)
         for k in range(start[a], start[a + 1]):
             b = second[k]
@@ -58,74 +68,21 @@ def _lj_owned_rows(single_type: bool):
                 f = (c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
                 wp.atomic_add(forces, b, f)
                 fa -= f
+                if wp.static(complete):
+                    if b >= n_owned:
+                        ra_rest -= f
         wp.atomic_add(energies, a, ea)
         wp.atomic_add(forces, a, fa)
+        if wp.static(complete):
+            rest[a] = ra_rest
 
     return lj
 
 
-def _lj_owned_complete(single_type: bool):
-    """Direct Lennard-Jones whose owned forces are complete: no ghost force has to travel home.
-
-    As :func:`_lj_owned_rows` with owned weights (1 on rows below
-    ``n_owned``, 0 on ghosts), plus ``rest[a]``: the half of each ghost pair's
-    force that ``a``'s weighted force leaves out. ``forces[a] + rest[a]`` is
-    then ``a``'s complete force, since the ghost's owner evaluates the same
-    pair from its side (LAMMPS's ``newton off``), and ``forces`` as written
-    still gives the virial of this rank's energy share, ``sum_rows r (x) f``.
-    """
-
-    @wp.kernel
-    def lj(
-        rows: wp.array(dtype=wp.vec3d),
-        start: wp.array(dtype=wp.int32),
-        second: wp.array(dtype=wp.int32),
-        ptype: wp.array(dtype=wp.int32),
-        params: wp.array(dtype=wp.vec3d),
-        n_owned: wp.int32,
-        rc2: wp.float64,
-        energies: wp.array(dtype=wp.float64),
-        forces: wp.array(dtype=wp.vec3d),
-        rest: wp.array(dtype=wp.vec3d),
-    ):
-        a = wp.tid()
-        ra = rows[a]
-        p = params[0]
-        fa = wp.vec3d()
-        ra_rest = wp.vec3d()
-        ea = wp.float64(0.0)
-        for k in range(start[a], start[a + 1]):
-            b = second[k]
-            d = rows[b] - ra
-            r2 = wp.dot(d, d)
-            if r2 <= rc2:
-                if not wp.static(single_type):
-                    p = params[ptype[k]]
-                inv2 = wp.float64(1.0) / r2
-                inv6 = inv2 * inv2 * inv2
-                half = wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
-                ea += half
-                wp.atomic_add(energies, b, half)
-                f = ((wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
-                if b < n_owned:
-                    wp.atomic_add(forces, b, f)
-                    fa -= f
-                else:  # weight (1 + 0) / 2, as the weighted kernel; the other half goes to rest
-                    g = wp.float64(0.5) * f
-                    wp.atomic_add(forces, b, g)
-                    fa -= g
-                    ra_rest -= g
-        wp.atomic_add(energies, a, ea)
-        wp.atomic_add(forces, a, fa)
-        rest[a] = ra_rest
-
-    return lj
-
-
-lj_owned_rows = _lj_owned_rows(single_type=False)
-lj_owned_rows_single_type = _lj_owned_rows(single_type=True)
-lj_owned_complete = _lj_owned_complete(single_type=False)
-lj_owned_complete_single_type = _lj_owned_complete(single_type=True)
+lj_owned_rows = _lj_owned_rows(single_type=False, complete=False)
+lj_owned_rows_single_type = _lj_owned_rows(single_type=True, complete=False)
+lj_owned_complete = _lj_owned_rows(single_type=False, complete=True)
+lj_owned_complete_single_type = _lj_owned_rows(single_type=True, complete=True)
 
 
 @wp.kernel

@@ -60,23 +60,28 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
         rest.index_add_(0, first[ghost], -f[ghost])
 
 
+def _run_kernel(rows, half: HalfList, tables: LJTables, weight, n_owned: int, energies, forces, rest=None) -> None:
+    """The Warp kernel (grouped by owned row) or, without Warp or in float32, its eager twin; ``rest``: the complete variant."""
+    single = tables.a12.numel() == 1
+    name = ("lj_owned_complete" if rest is not None else "lj_owned_rows") + ("_single_type" if single else "")
+    kernel = warp_kernel(name) if rows.dtype == torch.float64 else None
+    if kernel is None:
+        _torch_kernel(rows, half, tables, weight, energies, forces, rest)
+        return
+    grouped = half.grouped(n_owned)
+    ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
+    inputs = [rows, grouped.start, grouped.second, ptype, tables.params, weight.contiguous(), n_owned, tables.cutoff**2]
+    launch(kernel, n_owned, rows.device, inputs, [energies, forces, forces if rest is None else rest])  # no rest: unwritten
+
+
 def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row energies (R,) and forces (R, 3) = ``-d(sum_i weight_i e_i)/d(rows)``."""
     rows = rows.detach().contiguous()
     energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     forces = torch.zeros_like(rows)
-    if half.n_pairs == 0:
-        return energies, forces
-    single = tables.a12.numel() == 1
-    kernel = warp_kernel("lj_owned_rows_single_type" if single else "lj_owned_rows") if rows.dtype == torch.float64 else None
-    if kernel is None:
-        _torch_kernel(rows, half, tables, weight, energies, forces)
-        return energies, forces
-    n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
-    grouped = half.grouped(n_owned)
-    ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
-    inputs = [rows, grouped.start, grouped.second, ptype, tables.params, weight.contiguous(), tables.cutoff**2]
-    launch(kernel, n_owned, rows.device, inputs, [energies, forces])
+    if half.n_pairs:
+        n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
+        _run_kernel(rows, half, tables, weight, n_owned, energies, forces)
     return energies, forces
 
 
@@ -95,15 +100,7 @@ def lj_direct(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int
     forces = torch.zeros_like(rows)
     rest = rows.new_zeros(n_owned, 3)
     if half.n_pairs:
-        single = tables.a12.numel() == 1
-        kernel = warp_kernel("lj_owned_complete_single_type" if single else "lj_owned_complete") if rows.dtype == torch.float64 else None
-        if kernel is None:
-            _torch_kernel(rows, half, tables, owned_weight(rows, n_owned), energies, forces, rest)
-        else:
-            grouped = half.grouped(n_owned)
-            ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
-            inputs = [rows, grouped.start, grouped.second, ptype, tables.params, n_owned, tables.cutoff**2]
-            launch(kernel, n_owned, rows.device, inputs, [energies, forces, rest])
+        _run_kernel(rows, half, tables, owned_weight(rows, n_owned), n_owned, energies, forces, rest)
     # sum (r - c) (x) F about the owned centre, written as sum r (x) F - c (x) sum F (no pass that shifts every
     # row); the second term removes the origin dependence that the rounding of sum F would otherwise leave.
     centre = rows[:n_owned].mean(dim=0) if n_owned else rows.new_zeros(3)
