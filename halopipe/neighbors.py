@@ -147,35 +147,20 @@ def narrower_half_pairs(
 def _warp_narrower_half_pairs(
     pairs: torch.Tensor, start: torch.Tensor, rows: torch.Tensor, cutoff: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`narrower_half_pairs` in Warp: a counting pass, a prefix sum and a writing pass over the owned rows."""
-    device, n_owned = rows.device, start.numel() - 1
+    """:func:`narrower_half_pairs` in Warp: one thread per owned row over its pairs of the wider list."""
     pos = rows.detach().to(torch.float64).contiguous()
-    grid = [pos, start, _index_array(pairs.contiguous()), rows.shape[0], float(cutoff) ** 2]
-    counts = torch.empty(n_owned, dtype=torch.int32, device=device)
-    nothing32 = torch.empty(0, dtype=torch.int32, device=device)
-    nothing64 = _index_array(torch.empty(0, 0, dtype=torch.int64, device=device))
-    launch(warp_kernel("half_list_count", _LISTS), n_owned, device, [*grid, nothing32], [nothing64, counts])
-    kept_start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
-    torch.cumsum(counts, 0, out=kept_start[1:])
-    kept = torch.empty(2, int(kept_start[-1]), dtype=torch.int64, device=device)
-    launch(warp_kernel("half_list_fill", _LISTS), n_owned, device, [*grid, kept_start], [_index_array(kept), nothing32])
-    return kept, kept_start
-
-
-def _index_array(pairs: torch.Tensor):
-    """A (2, P) int64 pair tensor as a Warp 2-d array (``launch`` would take a (2, 3) one for three vectors)."""
-    return warp_module().from_torch(pairs)
+    inputs = [pos, start, pairs[1].contiguous(), rows.shape[0], float(cutoff) ** 2]
+    return _grouped_two_passes("half_list", start.numel() - 1, rows.device, inputs)
 
 
 def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
 
     Rows are binned into cubes of edge about ``cutoff / 2`` and sorted by
-    cube; each owned row ``i`` scans the cubes within ``cutoff`` (5 x 5 lines
-    of 5 contiguous cubes) and keeps rows ``j > i`` (every ghost is ``> i``).
-    One pass counts, a prefix sum places, a second pass writes; pairs come
-    out grouped by ``i`` in a deterministic order, with their ``n_owned + 1``
-    offsets.
+    cube; each owned row ``i`` scans the cubes within ``cutoff`` (up to 5 x 5
+    lines of 5 contiguous cubes, each trimmed to the cutoff sphere) and keeps
+    rows ``j > i`` (every ghost is ``> i``). Pairs come out grouped by ``i``
+    in a deterministic order, with their ``n_owned + 1`` offsets.
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
@@ -193,15 +178,27 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> t
     cell_start = torch.zeros(math.prod(dims) + 1, dtype=torch.int32, device=device)
     cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=math.prod(dims)), 0)
     wp = warp_module()
-    grid = [pos, pos[order], order.to(torch.int32), cell.contiguous(), cell_start, wp.vec3i(*dims), reach, float(cutoff) ** 2]
+    trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
+    grid = [pos, pos[order], order.to(torch.int32), cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
+    inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
+    return _grouped_two_passes("owned_half", n_owned, device, inputs)
+
+
+def _grouped_two_passes(kernels: str, n_owned: int, device: torch.device, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Warp pair of kernels ``{kernels}_count`` and ``{kernels}_fill`` over the owned rows.
+
+    The first counts each row's pairs, a prefix sum makes the offsets, the
+    second writes the pairs: (2, P) int64 grouped by owned row, and their
+    ``n_owned + 1`` int32 offsets.
+    """
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     nothing32 = torch.empty(0, dtype=torch.int32, device=device)
-    nothing64 = _index_array(torch.empty(0, 0, dtype=torch.int64, device=device))
-    launch(warp_kernel("owned_half_count", _LISTS), n_owned, device, [*grid, nothing32], [nothing64, counts])
+    nothing64 = torch.empty(0, dtype=torch.int64, device=device)
+    launch(warp_kernel(f"{kernels}_count", _LISTS), n_owned, device, [*inputs, nothing32], [nothing64, nothing64, counts])
     start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
     torch.cumsum(counts, 0, out=start[1:])
     pairs = torch.empty(2, int(start[-1]), dtype=torch.int64, device=device)
-    launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*grid, start], [_index_array(pairs), nothing32])
+    launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, start], [pairs[0], pairs[1], nothing32])
     return pairs, start
 
 
