@@ -85,7 +85,9 @@ def test_cell_list_equals_vesin_search():
 @pytest.mark.parametrize("kernels", ["warp", "torch"])
 @pytest.mark.parametrize(
     "layout",
-    ["dense", "wide_halo", "sparse"],  # rows ~ owned; rows >> owned (D3-like halo); a few rows far apart (coarser cubes)
+    # rows ~ owned; rows >> owned (D3-like halo); a few rows far apart (coarser cubes); a lattice with many pairs exactly at
+    # the cutoff and rows on cube faces (the search trims its scan to the cutoff sphere: rounding must never drop one)
+    ["dense", "wide_halo", "sparse", "lattice"],
 )
 def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
     """The owned-centred search (Warp cell list, or vesin / torch cell list) against all distances by cdist."""
@@ -100,6 +102,9 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
         rows, n_owned, cutoff = rng.uniform(-2, 12, (400, 3)), 150, 3.1
     elif layout == "wide_halo":
         rows, n_owned, cutoff = rng.uniform(-10, 20, (900, 3)), 40, 6.0
+    elif layout == "lattice":
+        grid = np.stack(np.meshgrid(*[np.arange(8.0)] * 3, indexing="ij"), axis=-1).reshape(-1, 3)
+        rows, n_owned, cutoff = grid[rng.permutation(len(grid))], 200, 2.0 + 1e-12  # ties at 2 included beyond rounding
     else:
         centres = rng.uniform(0, 1, (10, 3)) * np.array([2000.0, 200.0, 3.0])  # clusters of 3 far apart
         rows, n_owned, cutoff = np.repeat(centres, 3, axis=0) + rng.uniform(-1, 1, (30, 3)), 10, 2.5
