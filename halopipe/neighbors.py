@@ -24,11 +24,15 @@ from vesin import NeighborList as _VesinNeighborList
 from .kernels.backend import warp_module
 from .kernels.pairs import launch, warp_kernel
 
+_LISTS = "_warp_lists"  # the Warp source of the pair search and the list filter
+
 __all__ = [
     "neighbor_list",
     "owned_pairs",
     "row_centred_pairs",
     "owned_half_pairs",
+    "grouped_owned_half_pairs",
+    "narrower_half_pairs",
     "owned_pairs_cell_list",
     "pair_vectors",
     "VerletList",
@@ -72,7 +76,7 @@ def owned_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor
     """
     if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
-    if warp_kernel("owned_half_fill") is None and rows.shape[0] > 8 * n_owned:
+    if warp_kernel("owned_half_fill", _LISTS) is None and rows.shape[0] > 8 * n_owned:
         return owned_pairs_cell_list(rows, n_owned, cutoff)
     half = owned_half_pairs(rows, n_owned, cutoff)
     i = torch.cat([half[0], half[1]])
@@ -92,14 +96,24 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     owned row); without it, vesin over all rows (which also pays for
     ghost-ghost pairs), or the torch cell list when the halo is wide.
     """
+    return grouped_owned_half_pairs(rows, n_owned, cutoff)[0]
+
+
+def grouped_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`owned_half_pairs` and, when the pairs come grouped by owned row (the Warp search), their offsets.
+
+    Returns ``pairs`` (2, P) and ``start`` (``n_owned + 1`` int32 offsets: row
+    ``a``'s pairs are ``start[a] .. start[a + 1]``), or ``None`` for ``start``
+    when the search does not group (without Warp).
+    """
     if rows.shape[0] < 2 or n_owned == 0:
-        return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
-    if warp_kernel("owned_half_fill") is not None:
+        return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
+    if warp_kernel("owned_half_fill", _LISTS) is not None:
         return _warp_owned_half_pairs(rows, n_owned, cutoff)
     if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs
         i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
         keep = (j >= n_owned) | (i < j)
-        return torch.stack([i[keep], j[keep]])
+        return torch.stack([i[keep], j[keep]]), None
     nl = _VesinNeighborList(cutoff=float(cutoff), full_list=False)
     a, b = nl.compute(points=_np(rows), box=np.zeros((3, 3)), periodic=False, quantities="ij", copy=True)
     a = torch.as_tensor(a.astype(np.int64), device=rows.device)
@@ -107,17 +121,46 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     keep = (a < n_owned) | (b < n_owned)
     a, b = a[keep], b[keep]
     a_first = a < n_owned
-    return torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)])
+    return torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)]), None
 
 
-def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor:
+def narrower_half_pairs(
+    pairs: torch.Tensor, start: torch.Tensor | None, rows: torch.Tensor, cutoff: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pairs of a wider half list that a narrower view keeps: partner among ``rows``, length within ``cutoff``.
+
+    ``pairs`` is a half list of the same plan over more rows (``rows`` is a
+    prefix of its rows: ghosts are sorted by distance) at a cutoff of at least
+    ``cutoff``; the result is exactly the list a fresh search over ``rows`` at
+    ``cutoff`` finds, in the wider list's order. With ``start`` (the wider
+    list grouped by owned row, ``n_owned + 1`` offsets) and Warp, one thread
+    per owned row counts and then writes its kept pairs, and the result's
+    offsets come back too; otherwise a torch mask (and ``None`` offsets).
+    """
+    if start is not None and pairs.shape[1] > 0 and warp_kernel("half_list_fill", _LISTS) is not None:
+        return _warp_narrower_half_pairs(pairs, start, rows, cutoff)
+    pairs = pairs[:, pairs[1] < rows.shape[0]]
+    d = rows[pairs[1]] - rows[pairs[0]]
+    return pairs[:, (d * d).sum(dim=1) <= cutoff * cutoff], None
+
+
+def _warp_narrower_half_pairs(
+    pairs: torch.Tensor, start: torch.Tensor, rows: torch.Tensor, cutoff: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`narrower_half_pairs` in Warp: one thread per owned row over its pairs of the wider list."""
+    pos = rows.detach().to(torch.float64).contiguous()
+    inputs = [pos, start, pairs[1].contiguous(), rows.shape[0], float(cutoff) ** 2]
+    return _grouped_two_passes("half_list", start.numel() - 1, rows.device, inputs)
+
+
+def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
 
     Rows are binned into cubes of edge about ``cutoff / 2`` and sorted by
-    cube; each owned row ``i`` scans the cubes within ``cutoff`` (5 x 5 lines
-    of 5 contiguous cubes) and keeps rows ``j > i`` (every ghost is ``> i``).
-    One pass counts, a prefix sum places, a second pass writes; pairs come
-    out grouped by ``i`` in a deterministic order.
+    cube; each owned row ``i`` scans the cubes within ``cutoff`` (up to 5 x 5
+    lines of 5 contiguous cubes, each trimmed to the cutoff sphere) and keeps
+    rows ``j > i`` (every ghost is ``> i``). Pairs come out grouped by ``i``
+    in a deterministic order, with their ``n_owned + 1`` offsets.
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
@@ -135,16 +178,28 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> t
     cell_start = torch.zeros(math.prod(dims) + 1, dtype=torch.int32, device=device)
     cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=math.prod(dims)), 0)
     wp = warp_module()
-    grid = [pos, pos[order], order.to(torch.int32), cell.contiguous(), cell_start, wp.vec3i(*dims), reach, float(cutoff) ** 2]
+    trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
+    grid = [pos, pos[order], order.to(torch.int32), cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
+    inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
+    return _grouped_two_passes("owned_half", n_owned, device, inputs)
+
+
+def _grouped_two_passes(kernels: str, n_owned: int, device: torch.device, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the Warp pair of kernels ``{kernels}_count`` and ``{kernels}_fill`` over the owned rows.
+
+    The first counts each row's pairs, a prefix sum makes the offsets, the
+    second writes the pairs: (2, P) int64 grouped by owned row, and their
+    ``n_owned + 1`` int32 offsets.
+    """
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
-    nothing = torch.empty(0, dtype=torch.int32, device=device)
-    launch(warp_kernel("owned_half_count"), n_owned, device, [*grid, nothing, nothing, nothing], [counts])
-    ends = torch.cumsum(counts, 0, dtype=torch.int32)
-    total = int(ends[-1])
-    first = torch.empty(total, dtype=torch.int32, device=device)
-    second = torch.empty(total, dtype=torch.int32, device=device)
-    launch(warp_kernel("owned_half_fill"), n_owned, device, [*grid, ends - counts, first, second], [nothing])
-    return torch.stack([first, second]).long()
+    nothing32 = torch.empty(0, dtype=torch.int32, device=device)
+    nothing64 = torch.empty(0, dtype=torch.int64, device=device)
+    launch(warp_kernel(f"{kernels}_count", _LISTS), n_owned, device, [*inputs, nothing32], [nothing64, nothing64, counts])
+    start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts, 0, out=start[1:])
+    pairs = torch.empty(2, int(start[-1]), dtype=torch.int64, device=device)
+    launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, start], [pairs[0], pairs[1], nothing32])
+    return pairs, start
 
 
 def row_centred_pairs(rows: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ import torch
 
 from .domain import Domain, DomainConfig, LocalDomain
 from .models.base import LocalView, Model, NonFiniteError
-from .neighbors import owned_half_pairs, owned_pairs, pair_vectors
+from .neighbors import grouped_owned_half_pairs, narrower_half_pairs, owned_pairs, pair_vectors
 from .system import System
 
 __all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view", "register_decomposition", "RESERVED_NAMES"]
@@ -357,27 +357,29 @@ def _candidates(domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float,
     One search per plan and distinct (rows, cutoff, kind): models with equal
     cutoffs and widths share it. A half list is filtered from a wider cached
     one of the same plan when there is one (ghost rows are sorted by
-    distance, so a narrower view's rows are a prefix of a wider view's).
-    Lists of older plans are dropped.
+    distance, so a narrower view's rows are a prefix of a wider view's;
+    :func:`~halopipe.neighbors.narrower_half_pairs`). The cache holds
+    ``(pairs, start)``: the offsets of lists grouped by owned row (else
+    None), which the filter uses. Lists of older plans are dropped.
     """
     version = domain.plan_version
     for old in [k for k in pair_cache if k[1] != version]:
         del pair_cache[old]
     key = ((n_ghost, cutoff, half), version)
-    candidates = pair_cache.get(key)
-    if candidates is not None:
-        return candidates
+    cached = pair_cache.get(key)
+    if cached is not None:
+        return cached[0]
     reach = cutoff + domain.skin
     wider = [c for (k, _), c in pair_cache.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
     if wider:
-        superset = min(wider, key=lambda c: c.shape[1])
-        superset = superset[:, superset[1] < rows.shape[0]]
-        d = rows[superset[1]] - rows[superset[0]]
-        candidates = superset[:, (d * d).sum(dim=1) <= reach * reach]
+        pairs, start = min(wider, key=lambda c: c[0].shape[1])
+        found = narrower_half_pairs(pairs, start, rows, reach)
+    elif half:
+        found = grouped_owned_half_pairs(rows, domain.n_owned, reach)
     else:
-        candidates = (owned_half_pairs if half else owned_pairs)(rows, domain.n_owned, reach)
-    pair_cache[key] = candidates
-    return candidates
+        found = (owned_pairs(rows, domain.n_owned, reach), None)
+    pair_cache[key] = found
+    return found[0]
 
 
 # ---------------------------------------------------------------------- evaluation

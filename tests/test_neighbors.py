@@ -85,7 +85,9 @@ def test_cell_list_equals_vesin_search():
 @pytest.mark.parametrize("kernels", ["warp", "torch"])
 @pytest.mark.parametrize(
     "layout",
-    ["dense", "wide_halo", "sparse"],  # rows ~ owned; rows >> owned (D3-like halo); a few rows far apart (coarser cubes)
+    # rows ~ owned; rows >> owned (D3-like halo); a few rows far apart (coarser cubes); a lattice with many pairs exactly at
+    # the cutoff and rows on cube faces (the search trims its scan to the cutoff sphere: rounding must never drop one)
+    ["dense", "wide_halo", "sparse", "lattice"],
 )
 def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
     """The owned-centred search (Warp cell list, or vesin / torch cell list) against all distances by cdist."""
@@ -100,6 +102,9 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
         rows, n_owned, cutoff = rng.uniform(-2, 12, (400, 3)), 150, 3.1
     elif layout == "wide_halo":
         rows, n_owned, cutoff = rng.uniform(-10, 20, (900, 3)), 40, 6.0
+    elif layout == "lattice":
+        grid = np.stack(np.meshgrid(*[np.arange(8.0)] * 3, indexing="ij"), axis=-1).reshape(-1, 3)
+        rows, n_owned, cutoff = grid[rng.permutation(len(grid))], 200, 2.0 + 1e-12  # ties at 2 included beyond rounding
     else:
         centres = rng.uniform(0, 1, (10, 3)) * np.array([2000.0, 200.0, 3.0])  # clusters of 3 far apart
         rows, n_owned, cutoff = np.repeat(centres, 3, axis=0) + rng.uniform(-1, 1, (30, 3)), 10, 2.5
@@ -111,5 +116,53 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
     assert bool((got[0] < n_owned).all())
     assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want
     assert got.shape[1] == len(want)  # each pair once
+    backend.warp_module.cache_clear()
+    pairs.warp_kernel.cache_clear()
+
+
+def _view_rows(domain, width: float) -> torch.Tensor:
+    """Owned rows then the ghost rows within ``width``, as a view builds them."""
+    pos, cell = domain.positions, domain.cell
+    ghosts = pos[domain.ghost_atom[: domain.ghost_count(width)]] + domain.ghost_shift[: domain.ghost_count(width)].to(pos.dtype) @ cell
+    return torch.cat([pos + domain.owned_shift.to(pos.dtype) @ cell, ghosts])
+
+
+@pytest.mark.parametrize("kernels", ["warp", "torch"])
+def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
+    """A list filtered from a wider one (more ghosts, longer cutoff) holds exactly the pairs of a direct search at the narrower one."""
+    from halopipe import System
+    from halopipe.domain import LocalDomain
+    from halopipe.kernels import backend, pairs
+    from halopipe.neighbors import grouped_owned_half_pairs, narrower_half_pairs
+
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels)
+    backend.warp_module.cache_clear()
+    pairs.warp_kernel.cache_clear()
+    cell = np.array([[9.0, 0.0, 0.0], [2.3, 8.1, 0.0], [-1.4, 1.9, 7.6]])  # irregular triclinic, shorter than the cutoffs
+    rng = np.random.default_rng(11)
+    positions = rng.uniform(0, 1, (120, 3)) @ cell
+    numbers = torch.full((120,), 18)
+    system = System(positions=torch.tensor(positions), numbers=numbers, cell=torch.tensor(cell), pbc=torch.tensor([True] * 3))
+    domain = LocalDomain(system, skin=0.5)
+    domain.prepare(6.5)
+    n_owned = domain.n_owned
+    wide_rows = _view_rows(domain, 6.5)
+    wide, start = grouped_owned_half_pairs(wide_rows, n_owned, 7.0)
+    assert (start is not None) == (kernels == "warp")
+    for width, reach in [(6.5, 5.2), (4.0, 7.0), (3.5, 4.0), (0.5, 1.5)]:  # fewer ghosts and/or a shorter cutoff
+        rows = _view_rows(domain, width)
+        got, got_start = narrower_half_pairs(wide, start, rows, reach)
+        r = torch.cdist(rows, rows)
+        i, j = torch.nonzero(r <= reach, as_tuple=True)
+        want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
+        assert 0 < len(want) < wide.shape[1]
+        assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want
+        assert got.shape[1] == len(want) and bool((got[0] < n_owned).all())
+        fresh = grouped_owned_half_pairs(rows, n_owned, reach)[0]
+        assert set(map(tuple, got.T.tolist())) == set(map(tuple, fresh.T.tolist()))
+        if kernels == "warp":  # still grouped by owned row, with offsets a bincount agrees with
+            assert bool((got[0, 1:] >= got[0, :-1]).all())
+            offsets = torch.cumsum(torch.bincount(got[0], minlength=n_owned), 0)
+            assert torch.equal(got_start[1:].long(), offsets) and int(got_start[0]) == 0
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()

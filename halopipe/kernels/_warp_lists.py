@@ -1,0 +1,141 @@
+"""Warp sources of the pair lists (imported only when Warp loads): the owned-centred search and the narrower-list filter.
+
+Both run one thread per owned row and make a list grouped by owned row in two
+passes: one counts each row's pairs, a prefix sum turns the counts into
+offsets, the other writes the pairs from the row's offset. The writing pass is
+branch-free in its inner loop: every candidate is written at the row's next
+free slot and kept by advancing past it (while the row's slots last), which
+measured twice as fast as writing under a data-dependent branch on the CPU.
+"""
+
+from __future__ import annotations
+
+import warp as wp
+
+# Index kernels have no gradients; skipping Warp's adjoints halves build time.
+wp.set_module_options({"enable_backward": False})
+
+
+@wp.func
+def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
+    """Distance from ``x`` to the slab ``[lower, lower + edge]`` (0 inside)."""
+    return wp.max(wp.max(lower - x, x - lower - edge), wp.float64(0.0))
+
+
+def _owned_half_search(write: bool):
+    """The owned-centred half-pair search: one thread per owned row ``i``, keeping rows ``j > i`` within the cutoff.
+
+    Rows are sorted by cube (x fastest), so the cubes of one (y, z) line of
+    the stencil are contiguous in ``sorted_rows``: one scan per line, trimmed
+    to the cubes the cutoff sphere around ``i`` reaches (lines it misses are
+    skipped). ``reach_pad`` (a hair over the cutoff) only widens the trim, so
+    rounding in the binning never drops a cube; the pair test is exact. The
+    counting variant (``write`` False) stores per-row counts; the writing one
+    stores the pairs from ``offsets[i]``. Two compiled variants, because a
+    run-time "write?" test in the inner loop measured 40 % slower.
+    """
+
+    @wp.kernel
+    def search(
+        rows: wp.array(dtype=wp.vec3d),
+        sorted_rows: wp.array(dtype=wp.vec3d),
+        order: wp.array(dtype=wp.int32),
+        cell_of: wp.array(dtype=wp.vec3i),
+        cell_start: wp.array(dtype=wp.int32),
+        dims: wp.vec3i,
+        lo: wp.vec3d,
+        edge: wp.float64,
+        reach: wp.int32,
+        reach_pad: wp.float64,
+        rc2: wp.float64,
+        offsets: wp.array(dtype=wp.int32),
+        first: wp.array(dtype=wp.int64),
+        second: wp.array(dtype=wp.int64),
+        counts: wp.array(dtype=wp.int32),
+    ):
+        i = wp.tid()
+        c = cell_of[i]
+        centre = rows[i]
+        rel = centre - lo
+        n = wp.int32(0)
+        end = wp.int32(0)
+        if wp.static(write):
+            n = offsets[i]
+            end = offsets[i + 1]
+        pad2 = reach_pad * reach_pad
+        x_lo = wp.max(c[0] - reach, 0)
+        x_hi = wp.min(c[0] + reach, dims[0] - 1)
+        for z in range(wp.max(c[2] - reach, 0), wp.min(c[2] + reach + 1, dims[2])):
+            gz = _slab_gap(rel[2], wp.float64(z) * edge, edge)
+            for y in range(wp.max(c[1] - reach, 0), wp.min(c[1] + reach + 1, dims[1])):
+                gy = _slab_gap(rel[1], wp.float64(y) * edge, edge)
+                h2 = pad2 - gy * gy - gz * gz
+                if h2 >= wp.float64(0.0):
+                    h = wp.sqrt(h2)
+                    a = wp.max(wp.int32(wp.floor((rel[0] - h) / edge)), x_lo)
+                    b = wp.min(wp.int32(wp.floor((rel[0] + h) / edge)), x_hi)
+                    line = (z * dims[1] + y) * dims[0]
+                    for s in range(cell_start[line + a], cell_start[line + b + 1]):
+                        j = order[s]
+                        d = sorted_rows[s] - centre
+                        keep = j > i and wp.dot(d, d) <= rc2
+                        if wp.static(write):
+                            if n < end:
+                                first[n] = wp.int64(i)
+                                second[n] = wp.int64(j)
+                        n += wp.where(keep, 1, 0)
+        if not wp.static(write):
+            counts[i] = n
+
+    return search
+
+
+owned_half_count = _owned_half_search(write=False)
+owned_half_fill = _owned_half_search(write=True)
+
+
+def _half_list_filter(write: bool):
+    """The narrower-list filter: one thread per owned row ``a`` over its pairs ``start[a] .. start[a + 1]`` of a wider list.
+
+    A pair is kept when its partner is among the narrower view's ``n_rows``
+    rows (a prefix of the wider view's) and within the narrower reach. The
+    counting variant (``write`` False) stores per-row counts; the writing one
+    stores the kept pairs from ``offsets[a]``, in the wider list's order.
+    """
+
+    @wp.kernel
+    def filter_rows(
+        rows: wp.array(dtype=wp.vec3d),
+        start: wp.array(dtype=wp.int32),
+        partner: wp.array(dtype=wp.int64),
+        n_rows: wp.int64,
+        rc2: wp.float64,
+        offsets: wp.array(dtype=wp.int32),
+        first: wp.array(dtype=wp.int64),
+        second: wp.array(dtype=wp.int64),
+        counts: wp.array(dtype=wp.int32),
+    ):
+        a = wp.tid()
+        centre = rows[a]
+        n = wp.int32(0)
+        end = wp.int32(0)
+        if wp.static(write):
+            n = offsets[a]
+            end = offsets[a + 1]
+        for k in range(start[a], start[a + 1]):
+            b = partner[k]
+            d = rows[wp.int32(wp.min(b, n_rows - wp.int64(1)))] - centre  # a row beyond the view reads a stand-in
+            keep = b < n_rows and wp.dot(d, d) <= rc2
+            if wp.static(write):
+                if n < end:
+                    first[n] = wp.int64(a)
+                    second[n] = b
+            n += wp.where(keep, 1, 0)
+        if not wp.static(write):
+            counts[a] = n
+
+    return filter_rows
+
+
+half_list_count = _half_list_filter(write=False)
+half_list_fill = _half_list_filter(write=True)
