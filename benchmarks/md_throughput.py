@@ -29,6 +29,7 @@ from halopipe.distributed.launch import spawn  # noqa: E402
 CASES = {
     "lj-argon-32k": "32,000 Ar atoms, Lennard-Jones (8.5 Å)",
     "demo-composite-8k": "8,000 NaCl atoms, ChargeModel->DSFCoulomb (10 Å) + LJ (8 Å)",
+    "demo-composite-216": "216 NaCl atoms, the same composite (the `halopipe demo` default size)",
 }
 
 
@@ -41,8 +42,8 @@ def build(case: str, device: str):
     if case == "lj-argon-32k":
         system = ArgonSpec(type="argon", cells=20, lattice=5.26, rattle=0.02, seed=0).build(torch.float64)
         pipeline = Pipeline([LennardJones(epsilon=0.0104, sigma=3.4, cutoff=8.5)])
-    elif case == "demo-composite-8k":
-        system = demo_system(cells=10)
+    elif case.startswith("demo-composite"):
+        system = demo_system(cells=10 if case.endswith("8k") else 3)
         pipeline = demo_pipeline()
     else:
         raise ValueError(f"unknown case {case!r}; choose from {list(CASES)}")
