@@ -19,22 +19,27 @@ instead
 The cost is ``O(N order^3 + M log M)`` for ``M`` mesh points. Real-space,
 self and background terms are those of Ewald. Energy, forces and stress are
 smooth (B-splines of order ``p`` are ``p - 2`` times continuously
-differentiable) and exact derivatives of the discrete energy, via autograd.
+differentiable) and exact derivatives of the discrete energy.
 
 Spreading and interpolation are compiled kernels (:mod:`halopipe.kernels.mesh`:
-the centred cardinal B-splines of SPME, torch-pme's ``"P3M"`` weights, with an
-analytic backward to positions, cell, charges and mesh); the FFT convolution
-uses :class:`torchpme.lib.KSpaceFilter` with the SPME kernel above. Both are
-differentiable in positions and cell and run in float64.
+the centred cardinal B-splines of SPME, torch-pme's ``"P3M"`` weights); the
+convolution is ``rfftn``, ``G *``, ``irfftn``. One autograd function
+(:class:`_ReciprocalShares`) holds the chain: since the energy is quadratic
+in the mesh charge and ``G`` is symmetric, the gradient of the summed
+energy needs only the forward's potential and its interpolated gradient
+(``dE/dr_i = q_i grad phi(r_i)``, ``dE/dq_i = phi_i``,
+``dE/dG = |S(k)|^2 / 2``): the backward does no FFT and moves no mesh.
+Positions and cell enter through the mesh coordinates and ``G(k)``,
+differentiated by autograd (forces, stress), in float64.
 
 Domain decomposition: two ways to share the mesh
 ------------------------------------------------
 ``mesh="replicated"``: each rank spreads its OWNED charges onto a full-size
-copy of the mesh; ``view.global_sum`` adds the ranks' meshes (an all-reduce
-whose backward all-reduces the mesh gradient); every rank filters the whole
-mesh and interpolates at its owned atoms. Memory ``O(M)`` and FFT
-``O(M log M)`` per rank do not shrink with ranks; two all-reduces of ``M``
-numbers per step.
+copy of the mesh; ``view.global_sum`` adds the ranks' meshes (one
+all-reduce); every rank filters the whole mesh and interpolates at its owned
+atoms. Memory ``O(M)`` and FFT ``O(M log M)`` per rank do not shrink with
+ranks; one all-reduce of ``M`` numbers per step (the backward needs none,
+above; weighted per-atom shares, whose gradient does, take a second one).
 
 ``mesh="distributed"``: ``view.mesh_transform(sizes)`` (see
 :mod:`halopipe.meshfft`) shares the mesh in slabs or pencils
@@ -46,9 +51,10 @@ region plus an ``order``-wide ghost layer); the box values go to the block
 owners and are summed there; the distributed FFT (local 1-D FFTs, all-to-all
 transposes) gives each rank its k-points, where ``G(m)`` is applied; the
 inverse comes back to the blocks and each rank reads its box back and
-interpolates at its owned atoms. Every step has its adjoint as backward, so
-energy, forces, stress and ``dE/dq`` equal the replicated mesh to rounding,
-and memory and bytes per rank are ``O(M / P)`` plus the box.
+interpolates at its owned atoms. The backward again reuses the potential
+(each rank returns the kernel gradient of its own k-points), so energy,
+forces, stress and ``dE/dq`` equal the replicated mesh to rounding, and
+memory and bytes per rank are ``O(M / P)`` plus the box.
 
 ``mesh="auto"`` (the default) uses the distributed mesh from 64^3 points on
 2-3 ranks and from 32^3 on 4 or more (``DISTRIBUTED_MESH_MIN_POINTS``, the
