@@ -403,7 +403,7 @@ class _DistributedConvolution:
 
 def _half_spectrum_multiplicity(m2: torch.Tensor, n2: int) -> torch.Tensor:
     """How many k-points of the full spectrum each rFFT k-point stands for: 1 on the ``m2 = 0`` and Nyquist planes, else 2."""
-    return torch.where((m2 == 0) | (2 * m2 == n2), 1.0, 2.0)
+    return torch.where((m2 == 0) | (2 * m2 == n2), 1, 2)
 
 
 def _reciprocal_shares(u, q, kernel, stencil: _Stencil, convolve, global_sum) -> torch.Tensor:
@@ -460,7 +460,7 @@ class _ReciprocalShares(torch.autograd.Function):
             grad_u = q[:, None] * (0.5 * grad[:, None] * dphi + dpsi)
         grad_kernel = None
         if ctx.needs_input_grad[2]:  # dL/dG(k) = w(k) Re[S(k) conj(M(k))], this rank's share
-            grad_kernel = ctx.share * ctx.convolve.multiplicity * (spectrum * cotangent_spectrum.conj()).real
+            grad_kernel = (spectrum * cotangent_spectrum.conj()).real * ctx.convolve.multiplicity * ctx.share
         return grad_u if ctx.needs_input_grad[0] else None, grad_q if ctx.needs_input_grad[1] else None, grad_kernel, None, None
 
 
