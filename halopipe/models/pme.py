@@ -269,6 +269,10 @@ class PME(SplitCoulomb):
         return kernel
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
+        return self.reciprocal_and_total_charge(view, q_owned)[0]
+
+    def reciprocal_and_total_charge(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owned reciprocal energies and ``Q``; ``Q`` rides on the small all-reduce of :func:`_reciprocal_shares`."""
         sizes = self.mesh(view.cell)
         decomposition = self.mesh_mode if self.mesh_mode in ("slab", "pencil") else "auto"
         transform = view.mesh_transform(sizes, decomposition) if view.mesh_transform is not None else None
@@ -290,7 +294,7 @@ class PME(SplitCoulomb):
         b2 = bspline_influence(sizes[2], self.order, True, dtype, device)[m2]
         return b0 * b1 * b2
 
-    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
         transform = self._whole_mesh.get(tuple(sizes))
         if transform is None:
@@ -299,7 +303,9 @@ class PME(SplitCoulomb):
         convolution = _ReplicatedConvolution(transform, view.global_sum)
         return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
 
-    def _reciprocal_distributed(self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+    def _reciprocal_distributed(
+        self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
         stencil = _Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order)
         boxmap = transform.boxes(stencil.lo, stencil.extent)
@@ -406,10 +412,15 @@ def _half_spectrum_multiplicity(m2: torch.Tensor, n2: int) -> torch.Tensor:
     return torch.where((m2 == 0) | (2 * m2 == n2), 1, 2)
 
 
-def _reciprocal_shares(u, q, kernel, stencil: _Stencil, convolve, global_sum) -> torch.Tensor:
-    """``q_i phi_i / 2`` of the owned atoms through :class:`_ReciprocalShares`, its cotangent check summed over ranks."""
+def _reciprocal_shares(u, q, kernel, stencil: _Stencil, convolve, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_i phi_i / 2`` of the owned atoms (:class:`_ReciprocalShares`) and the total charge ``Q = sum_i q_i``.
+
+    The cotangent check's global sum carries ``Q`` too: one small all-reduce
+    each way serves both (the background term needs ``Q``, differentiably).
+    """
     energies, not_summed = _ReciprocalShares.apply(u, q, kernel, stencil, convolve)
-    return _CotangentCheck.apply(energies, global_sum(not_summed))
+    summed = global_sum(torch.cat([not_summed, q.sum().reshape(1)]))
+    return _CotangentCheck.apply(energies, summed[:1]), summed[1]
 
 
 class _ReciprocalShares(torch.autograd.Function):
