@@ -35,7 +35,17 @@ import torch
 
 from .backend import warp_module
 
-__all__ = ["MAX_ORDER", "SplineBox", "mesh_coordinates", "support_start", "spread_charges", "interpolate_mesh"]
+__all__ = [
+    "MAX_ORDER",
+    "SplineBox",
+    "mesh_coordinates",
+    "support_start",
+    "check_inside",
+    "spread_charges",
+    "interpolate_mesh",
+    "spread_values",
+    "gather_values",
+]
 
 MAX_ORDER = 6  # local arrays of the Warp kernels hold this many points per axis
 
@@ -79,7 +89,7 @@ def support_start(u: torch.Tensor, order: int) -> torch.Tensor:
     return (torch.floor(u.detach() + 0.5 * order) - (order - 1)).to(torch.int32)
 
 
-def _check_inside(first: torch.Tensor, box: SplineBox) -> None:
+def check_inside(first: torch.Tensor, box: SplineBox) -> None:
     """Every support point inside the box (a kernel would write outside it otherwise)."""
     for axis, (n, lo, extent) in enumerate(zip(box.sizes, box.lo, box.extent, strict=True)):
         if extent < n and first.shape[0] and bool((((first[:, axis] - lo) % n) + box.order > extent).any()):
@@ -255,7 +265,7 @@ def spread_charges(u: torch.Tensor, q: torch.Tensor, first: torch.Tensor, box: S
     first : :func:`support_start` of ``u``.
     box : the mesh box written to.
     """
-    _check_inside(first, box)
+    check_inside(first, box)
     return _Spread.apply(u, q, first, box)
 
 
@@ -266,5 +276,5 @@ def interpolate_mesh(u: torch.Tensor, mesh: torch.Tensor, first: torch.Tensor, b
     """
     if tuple(mesh.shape) != box.extent:
         raise ValueError(f"interpolate_mesh: mesh of shape {tuple(mesh.shape)} for a box of extent {box.extent}")
-    _check_inside(first, box)
+    check_inside(first, box)
     return _Interpolate.apply(u, mesh, first, box)

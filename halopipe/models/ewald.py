@@ -230,17 +230,21 @@ class SplitCoulomb(Model):
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def reciprocal_and_total_charge(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`reciprocal` and the total charge ``Q`` (a global sum; a subclass may carry it on a collective of its own)."""
+        return self.reciprocal(view, q_owned), view.global_sum(q_owned.sum())
+
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         require_periodic(view, self.name)
         q = view.fields["charges"].to(view.positions.dtype)
         q_owned = q[: view.n_owned]
         volume = torch.linalg.det(view.cell).abs()
-        total_charge = view.global_sum(q_owned.sum())
+        reciprocal, total_charge = self.reciprocal_and_total_charge(view, q_owned)
         energies = (
             self.real_space(view, q)
             + self_energies(q_owned, self.alpha)
             + background_energies(q_owned, total_charge, volume, self.alpha)
-            + self.reciprocal(view, q_owned)
+            + reciprocal
         )
         return ModelOutput(energies=energies)
 

@@ -19,22 +19,27 @@ instead
 The cost is ``O(N order^3 + M log M)`` for ``M`` mesh points. Real-space,
 self and background terms are those of Ewald. Energy, forces and stress are
 smooth (B-splines of order ``p`` are ``p - 2`` times continuously
-differentiable) and exact derivatives of the discrete energy, via autograd.
+differentiable) and exact derivatives of the discrete energy.
 
 Spreading and interpolation are compiled kernels (:mod:`halopipe.kernels.mesh`:
-the centred cardinal B-splines of SPME, torch-pme's ``"P3M"`` weights, with an
-analytic backward to positions, cell, charges and mesh); the FFT convolution
-uses :class:`torchpme.lib.KSpaceFilter` with the SPME kernel above. Both are
-differentiable in positions and cell and run in float64.
+the centred cardinal B-splines of SPME, torch-pme's ``"P3M"`` weights); the
+convolution is ``rfftn``, ``G *``, ``irfftn``. One autograd function
+(:class:`_ReciprocalShares`) holds the chain: since the energy is quadratic
+in the mesh charge and ``G`` is symmetric, the gradient of the summed
+energy needs only the forward's potential and its interpolated gradient
+(``dE/dr_i = q_i grad phi(r_i)``, ``dE/dq_i = phi_i``,
+``dE/dG = |S(k)|^2 / 2``): the backward does no FFT and moves no mesh.
+Positions and cell enter through the mesh coordinates and ``G(k)``,
+differentiated by autograd (forces, stress), in float64.
 
 Domain decomposition: two ways to share the mesh
 ------------------------------------------------
 ``mesh="replicated"``: each rank spreads its OWNED charges onto a full-size
-copy of the mesh; ``view.global_sum`` adds the ranks' meshes (an all-reduce
-whose backward all-reduces the mesh gradient); every rank filters the whole
-mesh and interpolates at its owned atoms. Memory ``O(M)`` and FFT
-``O(M log M)`` per rank do not shrink with ranks; two all-reduces of ``M``
-numbers per step.
+copy of the mesh; ``view.global_sum`` adds the ranks' meshes (one
+all-reduce); every rank filters the whole mesh and interpolates at its owned
+atoms. Memory ``O(M)`` and FFT ``O(M log M)`` per rank do not shrink with
+ranks; one all-reduce of ``M`` numbers per step (the backward needs none,
+above; weighted per-atom shares, whose gradient does, take a second one).
 
 ``mesh="distributed"``: ``view.mesh_transform(sizes)`` (see
 :mod:`halopipe.meshfft`) shares the mesh in slabs or pencils
@@ -46,9 +51,10 @@ region plus an ``order``-wide ghost layer); the box values go to the block
 owners and are summed there; the distributed FFT (local 1-D FFTs, all-to-all
 transposes) gives each rank its k-points, where ``G(m)`` is applied; the
 inverse comes back to the blocks and each rank reads its box back and
-interpolates at its owned atoms. Every step has its adjoint as backward, so
-energy, forces, stress and ``dE/dq`` equal the replicated mesh to rounding,
-and memory and bytes per rank are ``O(M / P)`` plus the box.
+interpolates at its owned atoms. The backward again reuses the potential
+(each rank returns the kernel gradient of its own k-points), so energy,
+forces, stress and ``dE/dq`` equal the replicated mesh to rounding, and
+memory and bytes per rank are ``O(M / P)`` plus the box.
 
 ``mesh="auto"`` (the default) uses the distributed mesh from 64^3 points on
 2-3 ranks and from 32^3 on 4 or more (``DISTRIBUTED_MESH_MIN_POINTS``, the
@@ -58,14 +64,12 @@ on one process the mesh is always local.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
-from torchpme.lib import KSpaceFilter, KSpaceKernel
 
-from ..kernels.mesh import SplineBox, interpolate_mesh, mesh_coordinates, spread_charges, support_start
-from ..meshfft import MeshTransform
+from ..kernels.mesh import SplineBox, check_inside, gather_values, mesh_coordinates, spread_values, support_start
+from ..meshfft import LocalMeshTransform, MeshTransform
 from .base import LocalView, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 from .ewald import SplitCoulomb, accuracy_exponent
@@ -152,17 +156,11 @@ def bspline_influence(n: int, order: int, half: bool, dtype: torch.dtype, device
     return 1.0 / (b * b)
 
 
-class _SPMEKernel(KSpaceKernel):
-    """``k_e 4 pi / V exp(-k^2 / (4 alpha^2)) / k^2 B(m)``; zero at ``k = 0`` (torch-pme filter kernel)."""
-
-    def __init__(self, alpha: float, volume: torch.Tensor, influence: torch.Tensor) -> None:
-        super().__init__()
-        self.alpha, self.volume, self.influence = alpha, volume, influence
-
-    def kernel_from_k_sq(self, k_sq: torch.Tensor) -> torch.Tensor:
-        safe = torch.where(k_sq > 0, k_sq, torch.ones_like(k_sq))
-        g = (4.0 * math.pi * COULOMB_CONSTANT) * torch.exp(-safe / (4.0 * self.alpha**2)) / safe / self.volume
-        return torch.where(k_sq > 0, g * self.influence, torch.zeros_like(g))
+def spme_kernel(k_sq: torch.Tensor, alpha: float, volume: torch.Tensor, influence: torch.Tensor) -> torch.Tensor:
+    """``k_e 4 pi / V exp(-k^2 / (4 alpha^2)) / k^2 B(m)`` at squared wave numbers ``k_sq``; zero at ``k = 0``."""
+    safe = torch.where(k_sq > 0, k_sq, torch.ones_like(k_sq))
+    g = (4.0 * math.pi * COULOMB_CONSTANT) * torch.exp(-safe / (4.0 * alpha**2)) / safe / volume
+    return torch.where(k_sq > 0, g * influence, torch.zeros_like(g))
 
 
 # -------------------------------------------------------------------- model
@@ -237,7 +235,8 @@ class PME(SplitCoulomb):
         self.order = int(order)
         self.fixed_mesh = mesh_size
         self.mesh_spacing = float(mesh_spacing) if mesh_spacing is not None else default_mesh_spacing(self.alpha, accuracy, self.order)
-        self._cached_filter: tuple | None = None  # (cell, filter) for the last constant cell
+        self._cached_kernel: tuple | None = None  # (cell, transform, kernel) for the last constant cell
+        self._whole_mesh: dict[tuple, LocalMeshTransform] = {}  # the replicated path's FFT, per mesh size
 
     def mesh(self, cell: torch.Tensor) -> list[int]:
         """The mesh used for ``cell``; ``ValueError`` if it would be unreasonably large."""
@@ -249,26 +248,31 @@ class PME(SplitCoulomb):
             )
         return sizes
 
-    def _filter(self, cell: torch.Tensor, sizes: list[int]) -> KSpaceFilter:
-        """The k-space filter for ``cell``, reused while the cell is unchanged.
+    def _kernel(self, cell: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+        """``G(m)`` at the k-points ``transform`` gives this process, reused while the cell is unchanged.
 
         A cell that carries a graph (stress by autograd: the cell is strained)
-        gets a fresh filter, so that its cell-dependent kernel carries this
-        call's graph; a constant cell (an MD step) reuses the cached one. (The
-        interpolator holds per-call atom weights, so it is built per call; it
-        is cheap.)
+        gets a fresh kernel carrying this call's graph; a constant cell (an MD
+        step) reuses the cached one.
         """
-        cached = self._cached_filter
-        if cached is not None and not cell.requires_grad and _same(cached[0], cell):
-            return cached[1]
-        ns = torch.tensor(sizes, device=cell.device)
-        kernel = _SPMEKernel(self.alpha, torch.linalg.det(cell).abs(), _influence(tuple(sizes), self.order, cell.dtype, cell.device))
-        kfilter = KSpaceFilter(cell, ns, kernel, fft_norm="backward", ifft_norm="forward")
+        cached = self._cached_kernel
+        if cached is not None and not cell.requires_grad and cached[1] is transform and _same(cached[0], cell):
+            return cached[2]
+        sizes = transform.sizes
+        m0, m1, m2 = transform.frequencies(cell.device)
+        reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
+        k = m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
+        influence = self._influence_at(m0, m1, m2, sizes, cell.dtype, cell.device)
+        kernel = spme_kernel((k * k).sum(-1), self.alpha, torch.linalg.det(cell).abs(), influence)
         if not cell.requires_grad:
-            self._cached_filter = (cell.detach().clone(), kfilter)
-        return kfilter
+            self._cached_kernel = (cell.detach().clone(), transform, kernel)
+        return kernel
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:
+        return self.reciprocal_and_total_charge(view, q_owned)[0]
+
+    def reciprocal_and_total_charge(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owned reciprocal energies and ``Q``; ``Q`` rides on the small all-reduce of :func:`_reciprocal_shares`."""
         sizes = self.mesh(view.cell)
         decomposition = self.mesh_mode if self.mesh_mode in ("slab", "pencil") else "auto"
         transform = view.mesh_transform(sizes, decomposition) if view.mesh_transform is not None else None
@@ -290,43 +294,28 @@ class PME(SplitCoulomb):
         b2 = bspline_influence(sizes[2], self.order, True, dtype, device)[m2]
         return b0 * b1 * b2
 
-    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
-        kfilter = self._filter(view.cell, sizes)
+        transform = self._whole_mesh.get(tuple(sizes))
+        if transform is None:
+            transform = self._whole_mesh[tuple(sizes)] = LocalMeshTransform(sizes)
         stencil = _Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True)
-        # Owned charges only; the sum over ranks completes the mesh charge.
-        rho = view.global_sum(stencil.spread(q_owned))
-        phi = stencil.interpolate(kfilter(rho[None])[0])
-        return 0.5 * q_owned * phi
+        convolution = _ReplicatedConvolution(transform, view.global_sum)
+        return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
 
-    def _reciprocal_distributed(self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+    def _reciprocal_distributed(
+        self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
-        cell, sizes = view.cell, transform.sizes
-        stencil = _Stencil(cell, view.positions[: view.n_owned], sizes, self.order)
+        stencil = _Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order)
         boxmap = transform.boxes(stencil.lo, stencil.extent)
         stencil.use_box(boxmap.lo, boxmap.extent)
-        spectrum = transform.forward(boxmap.to_mesh(stencil.spread(q_owned)))
-        m0, m1, m2 = transform.frequencies(cell.device)
-        reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
-        k = m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
-        influence = self._influence_at(m0, m1, m2, sizes, cell.dtype, cell.device)
-        kernel = _SPMEKernel(self.alpha, torch.linalg.det(cell).abs(), influence).kernel_from_k_sq((k * k).sum(-1))
-        phi = stencil.interpolate(boxmap.from_mesh(transform.inverse(spectrum * kernel)))
-        return 0.5 * q_owned * phi
+        convolution = _DistributedConvolution(transform, boxmap)
+        return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-
-
-@functools.lru_cache(maxsize=8)
-def _influence(sizes: tuple[int, int, int], order: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``B(m)`` on the rFFT mesh: depends on the mesh and order only, never on the cell."""
-    return (
-        bspline_influence(sizes[0], order, False, dtype, device)[:, None, None]
-        * bspline_influence(sizes[1], order, False, dtype, device)[None, :, None]
-        * bspline_influence(sizes[2], order, True, dtype, device)[None, None, :]
-    )
 
 
 def _periodic_cover(first: torch.Tensor, n: int, order: int) -> tuple[int, int]:
@@ -371,11 +360,128 @@ class _Stencil:
         """Spread onto / interpolate from a larger box holding this one (a transform's cached, padded box)."""
         self.box = SplineBox(self.box.order, self.box.sizes, lo, extent)
         self.lo, self.extent = self.box.lo, self.box.extent
+        check_inside(self.first, self.box)
 
     def spread(self, q: torch.Tensor) -> torch.Tensor:
-        """The box of mesh charges of these atoms."""
-        return spread_charges(self.u, q, self.first, self.box)
+        """The box of mesh charges ``sum_i q_i W_i`` of these atoms (no autograd: see :class:`_ReciprocalShares`)."""
+        return spread_values(self.u, self.first, q, self.box).reshape(self.extent)
 
-    def interpolate(self, box: torch.Tensor) -> torch.Tensor:
-        """A box of mesh values interpolated at the atoms."""
-        return interpolate_mesh(self.u, box, self.first, self.box)
+    def interpolate(self, box: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A box of mesh values at the atoms ``(N,)`` and its gradient in mesh coordinates ``(N, 3)`` (no autograd)."""
+        return gather_values(self.u, self.first, box, self.box)
+
+
+class _ReplicatedConvolution:
+    """Charge boxes -> potential on the whole mesh: the ranks' meshes summed (one all-reduce), then ``G *`` by FFT.
+
+    Called with each rank's whole-mesh box; returns the potential mesh (the
+    same on every rank), the spectrum ``S`` of the summed charge mesh and this
+    rank's share ``1 / P`` of the kernel gradient (every rank holds all
+    k-points). ``P`` rides on the all-reduce as one extra element.
+    """
+
+    def __init__(self, transform: LocalMeshTransform, global_sum) -> None:
+        self.transform, self.global_sum = transform, global_sum
+        m2 = transform.frequencies()[2]
+        self.multiplicity = _half_spectrum_multiplicity(m2, transform.sizes[2])
+
+    def __call__(self, box: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        summed = self.global_sum(torch.cat([box.reshape(-1), box.new_ones(1)]))
+        spectrum = self.transform.forward(summed[:-1].reshape(box.shape))
+        return self.transform.inverse(spectrum * kernel), spectrum, 1.0 / float(summed[-1])
+
+
+class _DistributedConvolution:
+    """Charge boxes -> potential boxes through a distributed mesh: box to blocks, FFT, ``G *``, inverse, blocks to box.
+
+    Each rank owns its own k-points, so its share of the kernel gradient is all of it (1).
+    """
+
+    def __init__(self, transform: MeshTransform, boxmap) -> None:
+        self.transform, self.boxmap = transform, boxmap
+        m2 = transform.frequencies()[2]
+        self.multiplicity = _half_spectrum_multiplicity(m2, transform.sizes[2])
+
+    def __call__(self, box: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        spectrum = self.transform.forward(self.boxmap.to_mesh(box))
+        return self.boxmap.from_mesh(self.transform.inverse(spectrum * kernel)), spectrum, 1.0
+
+
+def _half_spectrum_multiplicity(m2: torch.Tensor, n2: int) -> torch.Tensor:
+    """How many k-points of the full spectrum each rFFT k-point stands for: 1 on the ``m2 = 0`` and Nyquist planes, else 2."""
+    return torch.where((m2 == 0) | (2 * m2 == n2), 1, 2)
+
+
+def _reciprocal_shares(u, q, kernel, stencil: _Stencil, convolve, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_i phi_i / 2`` of the owned atoms (:class:`_ReciprocalShares`) and the total charge ``Q = sum_i q_i``.
+
+    The cotangent check's global sum carries ``Q`` too: one small all-reduce
+    each way serves both (the background term needs ``Q``, differentiably).
+    """
+    energies, not_summed = _ReciprocalShares.apply(u, q, kernel, stencil, convolve)
+    summed = global_sum(torch.cat([not_summed, q.sum().reshape(1)]))
+    return _CotangentCheck.apply(energies, summed[:1]), summed[1]
+
+
+class _ReciprocalShares(torch.autograd.Function):
+    """Owned atoms' reciprocal energies ``q_i phi_i / 2``, with a backward that reuses the forward's potential.
+
+    The reciprocal energy ``E = 1/2 sum_x rho(x) phi(x)``, ``phi = G * rho``, is
+    quadratic in the mesh charge, and ``G`` is symmetric. When the energies
+    are summed (the cotangent of every share is 1 on every rank: a pipeline's
+    energy), the gradient needs nothing beyond the forward:
+
+    * ``dE/du_i = q_i grad phi(u_i)`` and ``dE/dq_i = phi_i`` (half from the
+      interpolation, half through the mesh charge);
+    * ``dE/dG(k) = 1/2 w(k) |S(k)|^2`` (``w``: rFFT multiplicity), of which
+      each rank returns its share, so that the cell derivative (stress)
+      summed over ranks is exact.
+
+    So the backward needs no FFT and no mesh communication. Whether every
+    cotangent is 1 is a global fact: the second output, a zero, goes through
+    ``global_sum`` to :class:`_CotangentCheck`, whose backward sends back
+    "my cotangent is not all ones" (0 or 1); summed over ranks on its way
+    back, it reaches this backward as the gradient of that output, so every
+    rank takes the same branch. Otherwise (per-atom weights ``g_i``) the
+    exact adjoint runs: the cotangent mesh ``m = sum_i g_i q_i W_i / 2`` goes
+    through the same convolution (the operator is self-adjoint), one more
+    convolution and its communication.
+    """
+
+    @staticmethod
+    def forward(ctx, u, q, kernel, stencil: _Stencil, convolve):
+        potential, spectrum, share = convolve(stencil.spread(q), kernel)
+        phi, dphi = stencil.interpolate(potential)
+        ctx.save_for_backward(q, kernel, phi, dphi, spectrum)
+        ctx.stencil, ctx.convolve, ctx.share = stencil, convolve, share
+        return 0.5 * q * phi, u.new_zeros(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor, ranks_not_summed: torch.Tensor | None):
+        q, kernel, phi, dphi, spectrum = ctx.saved_tensors
+        if ranks_not_summed is None or float(ranks_not_summed[0]) == 0.0:  # every rank's cotangent is 1
+            grad_q, grad_u = phi, q[:, None] * dphi
+            cotangent_spectrum = 0.5 * spectrum
+        else:
+            # d/d(mesh charge) of sum_i g_i q_i phi_i / 2 is G * m, m the cotangent mesh sum_i g_i q_i W_i / 2
+            potential, cotangent_spectrum, _ = ctx.convolve(ctx.stencil.spread(0.5 * grad * q), kernel)
+            psi, dpsi = ctx.stencil.interpolate(potential)
+            grad_q = 0.5 * grad * phi + psi
+            grad_u = q[:, None] * (0.5 * grad[:, None] * dphi + dpsi)
+        grad_kernel = None
+        if ctx.needs_input_grad[2]:  # dL/dG(k) = w(k) Re[S(k) conj(M(k))], this rank's share
+            grad_kernel = (spectrum * cotangent_spectrum.conj()).real * ctx.convolve.multiplicity * ctx.share
+        return grad_u if ctx.needs_input_grad[0] else None, grad_q if ctx.needs_input_grad[1] else None, grad_kernel, None, None
+
+
+class _CotangentCheck(torch.autograd.Function):
+    """Identity on the energies; its backward reports whether this rank's cotangent is not all ones (see :class:`_ReciprocalShares`)."""
+
+    @staticmethod
+    def forward(ctx, energies, ranks_not_summed):
+        return energies.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_tensor([float(grad.numel() > 0 and not bool((grad == 1).all()))])

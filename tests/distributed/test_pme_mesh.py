@@ -13,7 +13,7 @@ import pytest
 
 from halopipe.distributed.launch import spawn
 
-from ._fft_workers import run_pme_cases
+from ._fft_workers import run_pme_cases, run_weighted_pme_cases
 
 # Each case: domain grid, mesh sizes, PME mesh mode, and the FFT process grid (Pr, Pc) it must run on.
 CASES = {
@@ -50,3 +50,13 @@ def test_distributed_mesh_equals_replicated(world_size):
             assert r[name]["energy_rel"] < 1e-12, label
             assert r[name]["force"] < 1e-10, label
             assert r[name]["stress"] < 1e-10, label
+
+
+@pytest.mark.timeout(300)
+def test_weighted_shares_distributed_equal_single_process():
+    """Per-atom weighted PME shares take the exact-adjoint backward (its convolution communicates) on every mesh mode."""
+    cases = [dict(grid=(2, 1, 1), sizes=(15, 10, 12), mesh=mode) for mode in ("replicated", "slab", "pencil")]
+    for case, r in zip(cases, spawn(run_weighted_pme_cases, 2, cases, timeout=280)[0]):
+        assert r["energy_rel"] < 1e-12, (case, r)
+        assert r["force"] < 1e-10, (case, r)
+        assert r["stress"] < 1e-10, (case, r)
