@@ -85,66 +85,91 @@ lj_owned_complete = _lj_owned_rows(single_type=False, complete=True)
 lj_owned_complete_single_type = _lj_owned_rows(single_type=True, complete=True)
 
 
-@wp.kernel
-def d3_bj_half_list(
-    rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
-    second: wp.array(dtype=wp.int32),
-    species: wp.array(dtype=wp.int32),
-    ref_weights: wp.array2d(dtype=wp.float64),
-    c6ref: wp.array(dtype=wp.float64),
-    c8_over_c6: wp.array(dtype=wp.float64),
-    r0_6: wp.array(dtype=wp.float64),
-    r0_8: wp.array(dtype=wp.float64),
-    n_species: wp.int32,
-    n_ref: wp.int32,
-    s6: wp.float64,
-    s8: wp.float64,
-    weight: wp.array(dtype=wp.float64),
-    rc2: wp.float64,
-    energies: wp.array(dtype=wp.float64),
-    forces: wp.array(dtype=wp.vec3d),
-    weight_grad: wp.array2d(dtype=wp.float64),
-):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc2:
-        return
-    p = species[a] * n_species + species[b]
-    base = p * n_ref * n_ref
-    c6 = wp.float64(0.0)
-    for i in range(n_ref):
-        wa = ref_weights[a, i]
-        for j in range(n_ref):
-            c6 += wa * c6ref[base + i * n_ref + j] * ref_weights[b, j]
-    r6 = r2 * r2 * r2
-    r8 = r6 * r2
-    e6 = wp.float64(1.0) / (r6 + r0_6[p])
-    e8 = wp.float64(1.0) / (r8 + r0_8[p])
-    qq = c8_over_c6[p]
-    # BJ: u = -(s6 C6 / (r^6 + R0^6) + s8 C8 / (r^8 + R0^8)), C8 = qq C6.
-    per_c6 = -(s6 * e6 + s8 * qq * e8)
-    half = wp.float64(0.5) * c6 * per_c6
-    wp.atomic_add(energies, a, half)
-    wp.atomic_add(energies, b, half)
-    c = wp.float64(0.5) * (weight[a] + weight[b])
-    du_dr2 = c6 * (wp.float64(3.0) * s6 * r2 * r2 * e6 * e6 + wp.float64(4.0) * s8 * qq * r6 * e8 * e8)
-    f = (wp.float64(-2.0) * c * du_dr2) * d
-    wp.atomic_add(forces, b, f)
-    wp.atomic_sub(forces, a, f)
-    # dE/dw through C6 = w_a^T C6ref w_b.
-    g = c * per_c6
-    for i in range(n_ref):
-        row = wp.float64(0.0)
-        col = wp.float64(0.0)
-        for j in range(n_ref):
-            row += c6ref[base + i * n_ref + j] * ref_weights[b, j]
-            col += ref_weights[a, j] * c6ref[base + j * n_ref + i]
-        wp.atomic_add(weight_grad, a, i, g * row)
-        wp.atomic_add(weight_grad, b, i, g * col)
+def _d3_bj(ghosts_once: bool):
+    """D3(BJ) two-body over a half list, one thread per pair.
+
+    ``ghosts_once``: the list holds each pair with a ghost on one rank only
+    (see :func:`halopipe.kernels.dftd3.ghost_pairs_once`), so such a pair's
+    whole energy goes to its owned row ``a`` and its force carries ``a``'s
+    weight alone (the ghost's force is folded home by the caller).
+    """
+
+    @wp.kernel
+    def d3_bj(
+        rows: wp.array(dtype=wp.vec3d),
+        first: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        species: wp.array(dtype=wp.int32),
+        ref_weights: wp.array2d(dtype=wp.float64),
+        c6ref: wp.array(dtype=wp.float64),
+        c8_over_c6: wp.array(dtype=wp.float64),
+        r0_6: wp.array(dtype=wp.float64),
+        r0_8: wp.array(dtype=wp.float64),
+        n_species: wp.int32,
+        n_ref: wp.int32,
+        s6: wp.float64,
+        s8: wp.float64,
+        weight: wp.array(dtype=wp.float64),
+        n_owned: wp.int32,
+        rc2: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        weight_grad: wp.array2d(dtype=wp.float64),
+    ):
+        k = wp.tid()
+        a = first[k]
+        b = second[k]
+        d = rows[b] - rows[a]
+        r2 = wp.dot(d, d)
+        if r2 > rc2:
+            return
+        p = species[a] * n_species + species[b]
+        base = p * n_ref * n_ref
+        c6 = wp.float64(0.0)
+        for i in range(n_ref):
+            wa = ref_weights[a, i]
+            for j in range(n_ref):
+                c6 += wa * c6ref[base + i * n_ref + j] * ref_weights[b, j]
+        r6 = r2 * r2 * r2
+        r8 = r6 * r2
+        e6 = wp.float64(1.0) / (r6 + r0_6[p])
+        e8 = wp.float64(1.0) / (r8 + r0_8[p])
+        qq = c8_over_c6[p]
+        # BJ: u = -(s6 C6 / (r^6 + R0^6) + s8 C8 / (r^8 + R0^8)), C8 = qq C6.
+        per_c6 = -(s6 * e6 + s8 * qq * e8)
+        half = wp.float64(0.5) * c6 * per_c6
+        c = wp.float64(0.5) * (weight[a] + weight[b])
+        if wp.static(ghosts_once):
+            if b >= n_owned:  # the ghost's owner does not hold this pair: all of it is a's
+                c = weight[a]
+                half = wp.float64(2.0) * half
+                wp.atomic_add(energies, a, half)
+            else:
+                wp.atomic_add(energies, a, half)
+                wp.atomic_add(energies, b, half)
+        else:
+            wp.atomic_add(energies, a, half)
+            wp.atomic_add(energies, b, half)
+        du_dr2 = c6 * (wp.float64(3.0) * s6 * r2 * r2 * e6 * e6 + wp.float64(4.0) * s8 * qq * r6 * e8 * e8)
+        f = (wp.float64(-2.0) * c * du_dr2) * d
+        wp.atomic_add(forces, b, f)
+        wp.atomic_sub(forces, a, f)
+        # dE/dw through C6 = w_a^T C6ref w_b.
+        g = c * per_c6
+        for i in range(n_ref):
+            row = wp.float64(0.0)
+            col = wp.float64(0.0)
+            for j in range(n_ref):
+                row += c6ref[base + i * n_ref + j] * ref_weights[b, j]
+                col += ref_weights[a, j] * c6ref[base + j * n_ref + i]
+            wp.atomic_add(weight_grad, a, i, g * row)
+            wp.atomic_add(weight_grad, b, i, g * col)
+
+    return d3_bj
+
+
+d3_bj_half_list = _d3_bj(ghosts_once=False)
+d3_bj_ghosts_once = _d3_bj(ghosts_once=True)
 
 
 @wp.func

@@ -18,7 +18,7 @@ import torch
 from .backend import warp_module
 from .pairs import HalfList, launch, owned_weight, uniform_scale, warp_kernel
 
-__all__ = ["D3Tables", "d3_kernel_available", "d3_two_body_autograd", "d3_coordination_numbers"]
+__all__ = ["D3Tables", "d3_kernel_available", "d3_two_body_autograd", "d3_coordination_numbers", "ghost_pairs_once"]
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,41 @@ def d3_kernel_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float64 and warp_kernel("d3_bj_half_list") is not None  # CN kernels share the module
 
 
-def _d3_terms(rows, species, ref_weights, half: HalfList, tables: D3Tables, weight):
+def ghost_pairs_once(half: HalfList, ids: torch.Tensor, rows: torch.Tensor, n_owned: int) -> HalfList:
+    """The pairs of ``half`` that this rank keeps when each pair with a ghost is evaluated on one side only.
+
+    An owned-centred half list holds a pair of an owned row and a ghost on
+    both ranks that see it (on one rank, both periodic images' ends), twice
+    the work when the halo is wide against the box. The pair of owned ``i``
+    and a ghost image of ``j`` stays where ``id_i < id_j``; an atom's pair
+    with its own image (``id_i == id_j``) stays where the separation, a
+    lattice vector, is lexicographically positive. Both rules flip with the
+    pair's ends, so exactly one side keeps each pair, on any rank count.
+    """
+    first, second = half.first, half.second
+    i, j = ids[first], ids[second]
+    ghost = second >= n_owned
+    keep = ~ghost | (i < j)
+    own_image = (ghost & (i == j)).nonzero().squeeze(1)  # only where the halo is wider than the box
+    if own_image.numel():
+        d = rows[second[own_image]] - rows[first[own_image]]
+        tol = 1e-6  # a lattice vector's components are zero (to rounding) or far from it
+        x, y, z = d.unbind(dim=1)
+        keep[own_image] = (x > tol) | ((x.abs() <= tol) & ((y > tol) | ((y.abs() <= tol) & (z > tol))))
+    ptype = half.ptype[keep].contiguous() if half.ptype is not None else None
+    return HalfList(half.first[keep].contiguous(), half.second[keep].contiguous(), ptype)
+
+
+def _d3_terms(rows, species, ref_weights, half: HalfList, tables: D3Tables, weight, n_owned: int, ghosts_once: bool):
     wp = warp_module()
     energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     forces, weight_grad = torch.zeros_like(rows), torch.zeros_like(ref_weights)
     if half.n_pairs == 0:
         return energies, forces, weight_grad
     inputs = [rows, half.first, half.second, species, wp.from_torch(ref_weights), tables.c6ref, tables.c8_over_c6, tables.r0_6]
-    inputs += [tables.r0_8, tables.n_species, tables.n_ref, tables.s6, tables.s8, weight.contiguous(), tables.cutoff**2]
-    launch(warp_kernel("d3_bj_half_list"), half.n_pairs, rows.device, inputs, [energies, forces, wp.from_torch(weight_grad)])
+    inputs += [tables.r0_8, tables.n_species, tables.n_ref, tables.s6, tables.s8, weight.contiguous(), n_owned, tables.cutoff**2]
+    kernel = warp_kernel("d3_bj_ghosts_once" if ghosts_once else "d3_bj_half_list")
+    launch(kernel, half.n_pairs, rows.device, inputs, [energies, forces, wp.from_torch(weight_grad)])
     return energies, forces, weight_grad
 
 
@@ -56,11 +82,12 @@ class _D3TwoBody(torch.autograd.Function):
     """Owned two-body energies with an analytic backward to rows and reference weights."""
 
     @staticmethod
-    def forward(ctx, rows, ref_weights, species, half: HalfList, tables: D3Tables, n_owned: int):
+    def forward(ctx, rows, ref_weights, species, half: HalfList, tables: D3Tables, n_owned: int, ghosts_once: bool):
         rows_c, w_c = rows.detach().contiguous(), ref_weights.detach().contiguous()
-        energies, forces, weight_grad = _d3_terms(rows_c, species, w_c, half, tables, owned_weight(rows_c, n_owned))
+        weight = owned_weight(rows_c, n_owned)
+        energies, forces, weight_grad = _d3_terms(rows_c, species, w_c, half, tables, weight, n_owned, ghosts_once)
         ctx.save_for_backward(rows_c, w_c, species, forces, weight_grad)
-        ctx.half, ctx.tables, ctx.n_owned = half, tables, n_owned
+        ctx.half, ctx.tables, ctx.n_owned, ctx.ghosts_once = half, tables, n_owned, ghosts_once
         return energies[:n_owned]
 
     @staticmethod
@@ -70,16 +97,25 @@ class _D3TwoBody(torch.autograd.Function):
         scale = uniform_scale(grad)
         if scale is None:
             weight = torch.cat([grad, grad.new_zeros(rows.shape[0] - ctx.n_owned)])
-            _, forces, weight_grad = _d3_terms(rows, species, w, ctx.half, ctx.tables, weight)
+            _, forces, weight_grad = _d3_terms(rows, species, w, ctx.half, ctx.tables, weight, ctx.n_owned, ctx.ghosts_once)
             scale = 1.0
-        return -scale * forces, scale * weight_grad, None, None, None, None
+        return -scale * forces, scale * weight_grad, None, None, None, None, None
 
 
 def d3_two_body_autograd(
-    rows: torch.Tensor, ref_weights: torch.Tensor, species: torch.Tensor, half: HalfList, tables: D3Tables, n_owned: int
+    rows: torch.Tensor,
+    ref_weights: torch.Tensor,
+    species: torch.Tensor,
+    half: HalfList,
+    tables: D3Tables,
+    n_owned: int,
+    ghosts_once: bool = False,
 ) -> torch.Tensor:
-    """Owned two-body D3(BJ) energies (n_owned,), differentiable in ``rows`` and ``ref_weights`` (R, n_ref)."""
-    return _D3TwoBody.apply(rows, ref_weights, species.to(torch.int32).contiguous(), half, tables, n_owned)
+    """Owned two-body D3(BJ) energies (n_owned,), differentiable in ``rows`` and ``ref_weights`` (R, n_ref).
+
+    ``ghosts_once``: ``half`` is a :func:`ghost_pairs_once` list.
+    """
+    return _D3TwoBody.apply(rows, ref_weights, species.to(torch.int32).contiguous(), half, tables, n_owned, ghosts_once)
 
 
 def _cn_launch(name: str, rows, half: HalfList, rcov, k1: float, cutoff: float, extra_inputs: list, output: torch.Tensor) -> torch.Tensor:

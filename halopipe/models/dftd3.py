@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from ase import units
 
-from ..kernels.dftd3 import D3Tables, d3_coordination_numbers, d3_kernel_available, d3_two_body_autograd
+from ..kernels.dftd3 import D3Tables, d3_coordination_numbers, d3_kernel_available, d3_two_body_autograd, ghost_pairs_once
 from ..kernels.pairs import HalfList
 from .base import LocalView, Model, ModelOutput, check_positive_length, direct_by_local_autograd
 
@@ -364,9 +364,11 @@ class DFTD3(Model):
         rows = view.positions.to(f64)
         cached = self._half
         if cached is None or cached[0] is not view.pairs:
-            self._half = cached = (view.pairs, HalfList.from_pairs(view.pairs, view.n_owned, True))
-        half = cached[1]
+            half = HalfList.from_pairs(view.pairs, view.n_owned, True)
+            # Coordination numbers need every pair of an owned row; the two-body sum takes each ghost pair on one side.
+            self._half = cached = (view.pairs, half, ghost_pairs_once(half, view.ids, rows.detach(), view.n_owned))
+        _, half, once = cached
         cn_owned = d3_coordination_numbers(rows, self.rcov[view.numbers].to(f64), half, K1, self.cn_cutoff, view.n_owned)
         c6_of = _C6(view.numbers, view.refresh(cn_owned), self.c6ref, self.ref_cn, self.n_ref)
         tables = self._kernel_tables(c6_of, f64)
-        return d3_two_body_autograd(rows, c6_of.w, c6_of.sidx, half, tables, view.n_owned).to(view.positions.dtype)
+        return d3_two_body_autograd(rows, c6_of.w, c6_of.sidx, once, tables, view.n_owned, ghosts_once=True).to(view.positions.dtype)
