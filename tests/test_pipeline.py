@@ -98,6 +98,23 @@ def test_model_without_direct_forces_cannot_be_in_direct_group():
         Group([Ewald()], autograd=False)
 
 
+class _OwnedForcesClaimedButAllRows(LennardJones):
+    """Declares complete owned forces (no fold) but returns a force for every row of its view."""
+
+    ghost_forces = False
+
+    def forward(self, view, direct=False):
+        out = super().forward(view, direct)
+        if direct:
+            out.forces = torch.cat([out.forces, out.forces.new_zeros(view.n_rows - view.n_owned, 3)])
+        return out
+
+
+def test_direct_forces_of_the_wrong_length_are_named(nacl):
+    with pytest.raises(RuntimeError, match=r"_OwnedForcesClaimedButAllRows: direct forces have \d+ rows, expected 16: its owned rows only"):
+        Pipeline([Group([_OwnedForcesClaimedButAllRows(0.01, 3.0, 5.0)], autograd=False)])(nacl)
+
+
 def test_missing_input_field_is_named():
     s = cluster(10, charges=False)
     with pytest.raises(ValueError, match=r"lacks field\(s\) \['charges'\]"):
