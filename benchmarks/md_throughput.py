@@ -30,12 +30,13 @@ CASES = {
     "lj-argon-32k": "32,000 Ar atoms, Lennard-Jones (8.5 Å)",
     "demo-composite-8k": "8,000 NaCl atoms, ChargeModel->DSFCoulomb (10 Å) + LJ (8 Å)",
     "demo-composite-216": "216 NaCl atoms, the same composite (the `halopipe demo` default size)",
+    "nacl-pme-4k": "4,096 rattled NaCl ions, LJ (8 Å) + PME(8 Å, 1e-4), the peers.py nacl-4k case",
 }
 
 
 def build(case: str, device: str):
     """(pipeline, system) of a benchmark case."""
-    from halopipe import LennardJones, Pipeline
+    from halopipe import PME, Group, LennardJones, Pipeline, Step
     from halopipe.config.sections import ArgonSpec
     from halopipe.demo import demo_pipeline, demo_system
 
@@ -45,9 +46,32 @@ def build(case: str, device: str):
     elif case.startswith("demo-composite"):
         system = demo_system(cells=10 if case.endswith("8k") else 3)
         pipeline = demo_pipeline()
+    elif case == "nacl-pme-4k":
+        system = _rattled_nacl()
+        lj = LennardJones({11: 0.0115, 17: 0.0043}, {11: 2.0, 17: 3.4}, cutoff=8.0)
+        pipeline = Pipeline([Group([Step(lj)], autograd=False), Group([Step(PME(8.0, 1e-4))], autograd=True)])
     else:
         raise ValueError(f"unknown case {case!r}; choose from {list(CASES)}")
     return pipeline.to(device=device), system.to(device=device)
+
+
+def time_step(case: str) -> float:
+    """The case's velocity-Verlet step in fs: 2 fs for argon, 1 fs for the ionic cases."""
+    return 2.0 if case.startswith("lj") else 1.0
+
+
+def _rattled_nacl():
+    """Rock-salt NaCl, 8 x 8 x 8 cubic cells (4,096 ions), rattled by 0.25 Å, charges +-1 (as peers.py's nacl-4k)."""
+    import numpy as np
+    from ase.build import bulk
+
+    from halopipe import System
+
+    atoms = bulk("NaCl", "rocksalt", a=5.64, cubic=True).repeat((8, 8, 8))
+    atoms.positions += np.random.default_rng(0).normal(scale=0.25, size=atoms.positions.shape)
+    system = System.from_ase(atoms)
+    system.fields["charges"] = torch.where(system.numbers == 11, 1.0, -1.0).to(system.positions.dtype)
+    return system
 
 
 def worker(case: str, steps: int, warmup: int, device: str) -> dict:
@@ -56,7 +80,7 @@ def worker(case: str, steps: int, warmup: int, device: str) -> dict:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     pipeline, system = build(case, device)
-    integrator = VelocityVerlet(1.0 if case.startswith("demo") else 2.0)
+    integrator = VelocityVerlet(time_step(case))
     sim = Simulation(pipeline, system if rank == 0 else None, integrator)  # the default skin, 1 Å
     sim.set_velocities(300.0, seed=1)
     sim.run(warmup)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from md_throughput import CASES, build  # noqa: E402
+from md_throughput import CASES, build, time_step  # noqa: E402
 
 from halopipe.distributed.launch import spawn  # noqa: E402
 
@@ -93,6 +93,7 @@ class StepProfile:
             setattr(torch.fft, name, self.wrap(getattr(torch.fft, name), CATEGORIES[2]))
         torch.autograd.grad = self.wrap(torch.autograd.grad, CATEGORIES[3])
         Comm._run = self.wrap(Comm._run, CATEGORIES[4])
+        Comm._run_shm = self.wrap(Comm._run_shm, CATEGORIES[4])  # the shared-memory path of ranks on one host
 
 
 def worker(case: str, steps: int, warmup: int) -> dict:
@@ -102,7 +103,7 @@ def worker(case: str, steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank() if dist.is_initialized() else 0
     pipeline, system = build(case, "cpu")
-    sim = Simulation(pipeline, system if rank == 0 else None, VelocityVerlet(1.0 if case.startswith("demo") else 2.0))
+    sim = Simulation(pipeline, system if rank == 0 else None, VelocityVerlet(time_step(case)))
     sim.set_velocities(300.0, seed=1)
     sim.run(warmup)
     profile = StepProfile()

@@ -8,6 +8,10 @@
   ``peers``), so a rebuild talks to its neighbours only;
 * reductions (``all_reduce``) and a differentiable global sum whose backward
   is again a global sum (``GlobalSum``);
+* between ranks of one host, reductions and messages that fit its buffers go
+  through shared memory polled by the calling thread
+  (:mod:`halopipe.distributed.shm`), much faster after a compute phase
+  than gloo's threaded operations; the results are the same;
 * sub-communicators (``split``): the ranks of one part of a partition, for
   collectives among a few ranks (the rows and columns of a pencil FFT);
 * error agreement: ``agree`` turns a local problem on any rank into the same
@@ -41,12 +45,15 @@ import atexit
 import contextlib
 import copy
 import datetime
+import math
 import queue
 import threading
 import time
 
 import torch
 import torch.distributed as dist
+
+from .shm import SharedMemory, spin_wait
 
 __all__ = ["Comm", "DistributedError", "GlobalSum"]
 
@@ -95,6 +102,7 @@ class Comm:
         self._report_rank, self._report_size = self.rank, self.size  # failure reports use the whole group's ranks
         self._tag = 0
         self._activity = "communication"
+        self._shm: SharedMemory | None = None
         self.device = torch.device("cpu")
         if self.distributed:
             self.backend = dist.get_backend()
@@ -104,6 +112,7 @@ class Comm:
             self._polled = self.backend == "gloo"
             self._shared = _shared_group(self.timeout)
             self.group = self._shared.group
+            self._shm = self._shared.shm  # ranks on one host: small reductions and messages through shared memory
             self._prefix = self._shared.prefix  # store keys of this group's failure reports
             self._store = _default_store()
 
@@ -134,6 +143,7 @@ class Comm:
         sub.group, sub.rank, sub.size = groups[mine], key[mine].index(self.rank), len(key[mine])
         sub.distributed = sub.size > 1
         sub._parent, sub._forwarded, sub._tag = self, (0,) * len(_COUNTERS), 0
+        sub._shm = None  # the segment's slots are indexed by the whole group's ranks
         for name in _COUNTERS:
             setattr(sub, name, 0)
         return sub
@@ -147,6 +157,8 @@ class Comm:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
         self.collectives += 1
         self.reduce_bytes += y.numel() * y.element_size()
+        if self._through_shm(y.dtype, y.shape):
+            return self._run_shm(lambda wait: self._shm.all_reduce(y, op, wait)).to(x.device)
         self._run(lambda: [dist.all_reduce(y, op=ops[op], group=self.group, async_op=True)])
         return y.to(x.device)
 
@@ -254,7 +266,9 @@ class Comm:
         """Send ``sends[peer]`` to each peer and receive ``recv_shapes[peer]`` from each, point to point.
 
         A message to oneself is passed through locally. Empty messages are
-        skipped on both sides (both sides know the sizes). (One gloo
+        skipped on both sides (both sides know the sizes). Between ranks of
+        one host, messages that fit go through shared memory
+        (:mod:`halopipe.distributed.shm`), the rest through gloo. (One gloo
         ``all_to_all_single`` per exchange was faster on 2 ranks here, but
         aborted a rank now and then under torchrun with 4 ranks, so it is not used.)
         """
@@ -277,12 +291,20 @@ class Comm:
                 out[peer] = torch.empty(shape, dtype=dtype, device=device)
             elif peer != self.rank:
                 incoming[peer] = tuple(shape)
+        # Both ends know each message's size, so both route it the same way: shared memory if it fits, else gloo.
+        near_out = [p for p, t in outgoing.items() if self._through_shm(dtype, t.shape)]
+        near_in = [p for p, shape in incoming.items() if self._through_shm(dtype, shape)]
+        if near_out:
+            self._run_shm(lambda wait: [self._shm.send(p, outgoing.pop(p), wait) for p in near_out])
+        incoming = {p: shape for p, shape in incoming.items() if p not in near_in}
         if outgoing or incoming:
             received = {peer: torch.empty(shape, dtype=dtype, device=self.device) for peer, shape in incoming.items()}
             ops = [dist.P2POp(dist.isend, t, group=self.group, tag=self._tag, group_peer=p) for p, t in outgoing.items()]
             ops += [dist.P2POp(dist.irecv, buf, group=self.group, tag=self._tag, group_peer=p) for p, buf in received.items()]
             self._run(lambda: dist.batch_isend_irecv(ops), p2p=True)
             out.update(received)
+        if near_in:
+            out.update(self._run_shm(lambda wait: {p: self._shm.receive(p, recv_shapes[p], dtype, wait) for p in near_in}))
         return {peer: t.to(device) for peer, t in out.items()}
 
     # ---------------------------------------------------------------- errors
@@ -339,6 +361,37 @@ class Comm:
             self._activity = "communication"
 
     # ------------------------------------------------------------- internals
+    def _through_shm(self, dtype: torch.dtype, shape) -> bool:
+        """Whether a reduction or message of ``shape`` and ``dtype`` goes through shared memory (CPU tensors only)."""
+        if self._shm is None or self.device.type != "cpu" or dtype == torch.bool:
+            return False
+        return self._shm.fits(math.prod(shape) * dtype.itemsize)
+
+    def _run_shm(self, operation):
+        """Run ``operation(wait)`` on the shared segment, waiting as :meth:`_run` does (peer failures, dead peers, timeout)."""
+        spent = self._shared.failure
+        if spent is not None:
+            raise DistributedError(f"this process group failed earlier: {spent}", rank=spent.rank)
+        try:
+            return operation(lambda ready: spin_wait(ready, self._check_while_waiting, POLL_SECONDS, self._shm.spin_seconds))
+        except DistributedError as exc:
+            self._spend(exc)
+            raise
+
+    def _check_while_waiting(self, elapsed: float) -> None:
+        """A slow shared-memory wait: raise a failure a peer reported, a peer that died, or the timeout."""
+        self._raise_reported_failure()
+        dead = self._shm.dead_peer()
+        if dead is not None:
+            raise self._reported_failure(grace=REPORT_GRACE_SECONDS) or DistributedError(
+                f"rank {self._report_rank}: rank {dead} died during {self._activity} without reporting a cause", rank=dead
+            )
+        if elapsed > self.timeout:
+            raise DistributedError(
+                f"rank {self._report_rank}: communication with its peers failed during {self._activity} and no rank reported a cause "
+                f"(a peer stalled for longer than the {self.timeout:g} s timeout, or died)"
+            )
+
     def _run(self, start, p2p: bool = False) -> None:
         """Run ``start()`` (async works, or ``None`` when it blocks) and wait for the works, watching for peer failures."""
         self._forward_traffic()
@@ -528,6 +581,7 @@ class _SharedGroup:
         self.prefix = f"halopipe/{_SharedGroup.created}"
         self.told = False  # has this rank counted itself as aware of the failure?
         self.group = _new_group(timeout)
+        self.shm = _shared_memory(self.group, self.prefix)
         self.parts: dict[tuple, list] = {}  # the groups of each partition split off this one (``Comm.split``)
         self.failure: DistributedError | None = None
 
@@ -541,6 +595,19 @@ def _new_group(timeout: float, ranks: list[int] | None = None):
     if group is not dist.GroupMember.NON_GROUP_MEMBER:
         group.set_timeout(datetime.timedelta(seconds=timeout))
     return group
+
+
+def _shared_memory(group, prefix: str) -> SharedMemory | None:
+    """The group's shared segment when its ranks share a host and use gloo (collective), else ``None``."""
+    if dist.get_backend() != "gloo":
+        return None
+
+    def all_agree(ok: bool) -> bool:
+        flag = torch.tensor([1.0 if ok else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag[0] > 0)
+
+    return SharedMemory.create(dist.get_rank(), dist.get_world_size(), _default_store(), f"{prefix}/shm", all_agree)
 
 
 class _GroupCache:
