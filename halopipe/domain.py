@@ -182,6 +182,7 @@ class Domain:
     ghost_shift: torch.Tensor
     ghost_ids: torch.Tensor
     ghost_distance: torch.Tensor
+    _row_offsets: tuple | None = None  # ((plan_version, n_ghost), cell, offsets) of :meth:`row_offsets`
 
     @property
     def n_owned(self) -> int:
@@ -195,6 +196,22 @@ class Domain:
                 self.ghost_distance, torch.tensor([limit], dtype=self.ghost_distance.dtype, device=self.ghost_distance.device), right=True
             )
         )
+
+    def row_offsets(self, cell: torch.Tensor, n_ghost: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``owned_shift @ cell`` and ``ghost_shift[:n_ghost] @ cell``: what places owned and ghost rows.
+
+        Kept for the current plan while the cell stays the same tensor value
+        (an MD step reuses them); a cell that carries a graph (strain for
+        stress) gets fresh, differentiable products.
+        """
+        if cell.requires_grad:
+            return self.owned_shift.to(cell.dtype) @ cell, self.ghost_shift[:n_ghost].to(cell.dtype) @ cell
+        key = (self.plan_version, n_ghost)
+        cached = self._row_offsets
+        if cached is None or cached[0] != key or not torch.equal(cached[1], cell):
+            offsets = (self.owned_shift.to(cell.dtype) @ cell, self.ghost_shift[:n_ghost].to(cell.dtype) @ cell)
+            cached = self._row_offsets = (key, cell.detach().clone(), offsets)
+        return cached[2]
 
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
         """Ghost rows within ``width`` of a per-atom tensor, from their owners (differentiable).

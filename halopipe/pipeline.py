@@ -314,10 +314,9 @@ def build_view(
     model = step.model
     n = domain.n_owned
     n_ghost = domain.ghost_count(width)
-    ghost_shift = domain.ghost_shift[:n_ghost].to(positions.dtype)
-    owned = positions + domain.owned_shift.to(positions.dtype) @ cell
+    owned_offset, ghost_offset = domain.row_offsets(cell, n_ghost)
     ghosts = domain.ghost_rows(positions, width) if ghost_positions is None else ghost_positions[:n_ghost]
-    rows = torch.cat([owned, ghosts + ghost_shift @ cell])
+    rows = torch.cat([positions + owned_offset, ghosts + ghost_offset])
 
     def refresh(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, domain.ghost_rows(x, width)])
@@ -428,7 +427,7 @@ def evaluate(
             energies += per_atom
             local_energy.append(per_atom.sum())
         produced.update(p)
-        broken.append((~torch.isfinite(f).all() | ~torch.isfinite(w).all()).to(dtype))
+        broken.append((~torch.isfinite(f.sum() + w.sum())).to(dtype))  # a NaN or inf anywhere makes the sum non-finite
     # One reduction for energies, flags and the virial: every rank sees the same values and raises the same error.
     k = len(local_energy)
     parts = [torch.stack(local_energy).detach(), torch.stack(broken)] + ([virial.reshape(9)] if stress else [])
