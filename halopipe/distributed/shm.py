@@ -114,7 +114,7 @@ class SharedMemory:
                     self._boxes[src, dst] = raw[base + 2 * LINE : base + 2 * LINE + capacity]
                     base += 2 * LINE + capacity
         self._reductions = 0
-        self._control[rank][_PID] = os.getpid()
+        self.watch_peers = True  # whether dead_peer can tell (see create)
         self.spin_seconds = SPIN_SECONDS if size <= (os.cpu_count() or 1) else 0.0
 
     # ------------------------------------------------------------- creation
@@ -122,29 +122,34 @@ class SharedMemory:
     def create(cls, rank: int, size: int, store, key: str, agree_all) -> SharedMemory | None:
         """Map one segment on every rank (collective), or return ``None`` on every rank if any cannot.
 
-        Rank 0 creates the file and names it in ``store`` under ``key``; the
-        others map it; ``agree_all(ok)`` (a min-reduction over the ranks) tells
-        whether all did, after which rank 0 unlinks the file.
+        Rank 0 creates the file and names it (and the buffer size) in
+        ``store`` under ``key``; the others map it and write their pids;
+        ``agree_all(ok)`` (a min-reduction over the ranks) tells whether all
+        did, after which rank 0 unlinks the file. A second agreement tells
+        whether every rank can see every peer's pid (not so across PID
+        namespaces); only then do slow waits watch for dead peers.
         """
-        capacity = capacity_from_environment()
-        layout = _layout(size, capacity) if capacity and size > 1 and platform.machine() in ("x86_64", "AMD64") else None
-        path = ""
-        if rank == 0 and layout is not None:
-            path = f"/dev/shm/halopipe-{uuid.uuid4().hex}"
-            if not _make_file(path, layout[1]):
+        wanted = capacity_from_environment() if size > 1 and platform.machine() in ("x86_64", "AMD64") else 0
+        if rank == 0:
+            layout = _layout(size, wanted) if wanted else None
+            path = f"/dev/shm/halopipe-{uuid.uuid4().hex}" if layout is not None else ""
+            if path and not _make_file(path, layout[1]):
                 path = ""
             store.set(key, f"{path}|{layout[0] if path else 0}")
-        elif rank == 0:
-            store.set(key, "|0")
         named, _, announced = store.get(key).decode().partition("|")
-        mapping = _map(named, int(announced)) if named else None
-        ok = agree_all(mapping is not None and layout is not None and int(announced) == layout[0])
+        capacity = int(announced)
+        mapping = _map(named, capacity) if named and wanted else None
+        if mapping is not None:
+            np.frombuffer(mapping, dtype=np.int64, count=1, offset=rank * LINE)[_PID] = os.getpid()
+        ok = agree_all(mapping is not None)
         if rank == 0 and named:
             with contextlib.suppress(OSError):
                 os.unlink(named)
         if not ok:
             return None
-        return cls(mapping, rank, size, int(announced))
+        shm = cls(mapping, rank, size, capacity)
+        shm.watch_peers = agree_all(shm.dead_peer() is None)
+        return shm
 
     # ---------------------------------------------------------- operations
     def fits(self, nbytes: int) -> bool:
@@ -190,6 +195,8 @@ class SharedMemory:
 
     def dead_peer(self) -> int | None:
         """A rank whose process is gone, or ``None`` (all on this host, so its pid can be asked)."""
+        if not self.watch_peers:
+            return None
         for r, line in enumerate(self._control):
             pid = int(line[_PID])
             if r == self.rank or pid <= 0:
