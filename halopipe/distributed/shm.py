@@ -170,8 +170,10 @@ class SharedMemory:
         for part in parts[1:]:
             if op == "sum":
                 out += part
+            elif op == "max":
+                torch.maximum(out, part, out=out)
             else:
-                torch.maximum(out, part, out=out) if op == "max" else torch.minimum(out, part, out=out)
+                torch.minimum(out, part, out=out)
         control[me][_DONE] = seq
         self._reductions = seq
         return out.reshape(x.shape)
@@ -188,7 +190,7 @@ class SharedMemory:
         """The next message from ``src``, copied out, as a tensor of ``shape`` and ``dtype``."""
         header = self._headers[src, self.rank]
         wait(lambda: header[_SENT] > header[_TAKEN])
-        n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        n = int(np.prod(shape)) * dtype.itemsize
         out = self._boxes[src, self.rank][:n].view(dtype).clone().reshape(shape)
         header[_TAKEN] += 1
         return out
