@@ -23,9 +23,14 @@ The optional three-body Axilrod-Teller-Muto term (``s9``) adds, for each triple,
 times ``1 / (1 + 6 (r_mean / (4/3 R0_mean))^-16)`` (geometric means of the three
 distances and of their R0AB; the form s-dftd3 uses with either damping).
 Triples must have all three distances within ``atm_cutoff``, as in s-dftd3;
-they are enumerated as pairs of neighbours of an owned centre, so memory grows
-as (neighbours within ``atm_cutoff``)^2 per atom: keep that cutoff modest for
-dense systems.
+they are enumerated as pairs of neighbours of an owned centre, (neighbours
+within ``atm_cutoff``)^2 per atom. To keep memory bounded on dense solids the
+owned centres are taken in chunks of about ``TRIPLE_CHUNK`` candidate triples
+(at most that plus one centre's), and each chunk's graph is
+recomputed in the backward pass instead of kept (activation checkpointing), so
+forces and stress cost one chunk's memory, not all triples'. The time still
+grows with the triples: at the default 21.2 Å cutoff a dense solid has about
+10^5-10^6 triples per atom.
 
 Domain decomposition: a CN needs all neighbours of its atom, so CNs are
 computed for owned rows and ghosts receive theirs from their owners through
@@ -47,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from ase import units
+from torch.utils.checkpoint import checkpoint
 
 from ..kernels.dftd3 import D3Tables, d3_coordination_numbers, d3_kernel_available, d3_two_body_autograd, ghost_pairs_once
 from ..kernels.pairs import HalfList
@@ -67,6 +73,7 @@ ALP = 14.0  # zero-damping exponent alpha6 (alpha8 = alpha6 + 2; ATM uses (alpha
 DEFAULT_CUTOFF = math.sqrt(9000.0) * units.Bohr  # ≈ 50.20 Å
 DEFAULT_CN_CUTOFF = math.sqrt(1600.0) * units.Bohr  # ≈ 21.17 Å
 DEFAULT_ATM_CUTOFF = 40.0 * units.Bohr  # ≈ 21.17 Å
+TRIPLE_CHUNK = 1 << 20  # candidate ATM triples per chunk (about 200 MB of float64 intermediates)
 
 _DAMPINGS = ("bj", "zero")
 
@@ -185,6 +192,23 @@ def _owned_triples(centres: torch.Tensor, n_owned: int) -> tuple[torch.Tensor, t
     offset = torch.cumsum(partners, 0) - partners
     ramp = torch.arange(first.numel(), device=centres.device) - torch.repeat_interleave(offset, partners)
     return first, first + 1 + ramp
+
+
+def _chunks_of_triples(centres: torch.Tensor, n_owned: int, limit: int) -> list[tuple[int, int]]:
+    """Ranges of the sorted ``centres``' pairs, whole centres each, of about ``limit`` candidate triples.
+
+    A centre with ``n`` pairs has ``n (n - 1) / 2`` candidate triples. A range
+    starts where the running total of triples crosses a multiple of ``limit``,
+    so it holds at most ``limit`` plus its last centre's triples.
+    """
+    count = torch.bincount(centres, minlength=n_owned)
+    triples = count * (count - 1) // 2
+    before = torch.cumsum(triples, 0) - triples  # triples of the centres before each
+    chunk = torch.div(before, max(int(limit), 1), rounding_mode="floor")
+    ends = torch.cumsum(count, 0)
+    last_of_chunk = torch.nonzero(torch.diff(chunk, append=chunk.new_tensor([-1])) != 0).squeeze(1)
+    bounds = [0] + ends[last_of_chunk].tolist()
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
 class DFTD3(Model):
@@ -309,18 +333,29 @@ class DFTD3(Model):
 
     # ------------------------------------------------------------ three-body
     def _three_body(self, view: LocalView, c6_of: _C6, energies: torch.Tensor) -> torch.Tensor:
+        """ATM energies of the owned centres, chunk by chunk (see the module docstring on memory)."""
         keep = (view.distances <= self.atm_cutoff).nonzero().squeeze(1)
         centres, order = torch.sort(view.pairs[0][keep], stable=True)
         sel = keep[order]
         nbr, vec, dist = view.pairs[1][sel], view.vectors[sel], view.distances[sel]
-        p, q = _owned_triples(centres, view.n_owned)
+        _ = c6_of.v  # the C6 tables are built lazily: build them here, so a recomputed chunk saves what the first pass did
+        for lo, hi in _chunks_of_triples(centres, view.n_owned, TRIPLE_CHUNK):
+            args = (centres[lo:hi], nbr[lo:hi], vec[lo:hi], dist[lo:hi], c6_of, view.numbers, view.n_owned)
+            if torch.is_grad_enabled():  # keep no chunk's graph: recompute it in the backward pass
+                energies = energies + checkpoint(self._atm_chunk, *args, use_reentrant=False)
+            else:
+                energies = energies + self._atm_chunk(*args)
+        return energies
+
+    def _atm_chunk(self, centres, nbr, vec, dist, c6_of: _C6, z, n_owned: int) -> torch.Tensor:
+        """ATM energies ``(n_owned,)`` of the triples of one chunk's pairs (grouped by owned centre)."""
+        p, q = _owned_triples(centres, n_owned)
         v_jk = vec[q] - vec[p]  # r_k - r_i - (r_j - r_i)
         r_jk = torch.linalg.vector_norm(v_jk, dim=1)
         near = r_jk.detach() <= self.atm_cutoff  # s-dftd3 cuts on all three distances
         p, q, r_jk = p[near], q[near], r_jk[near]
         i, j, k = centres[p], nbr[p], nbr[q]
         r2ij, r2ik, r2jk = dist[p] ** 2, dist[q] ** 2, r_jk**2
-        z = view.numbers
         # C9 = s9 sqrt(C6 C6 C6) is defined in atomic units (Hartree^(3/2) read as Hartree):
         # with C6 in eV Å^6 one factor sqrt(Hartree) must be divided out.
         c9 = self.s9 * torch.sqrt((c6_of(i, j) * c6_of(i, k) * c6_of(j, k)).abs() / units.Hartree)
@@ -331,7 +366,7 @@ class DFTD3(Model):
         fdamp = 1.0 / (1.0 + 6.0 * (r0 / r1) ** ((ALP + 2.0) / 3.0))
         # (3 cos a cos b cos c + 1) / (r_ij r_ik r_jk)^3 through squared distances only.
         ang = 0.375 * (r2ij + r2jk - r2ik) * (r2ij - r2jk + r2ik) * (-r2ij + r2jk + r2ik) / (r3 * r2) + 1.0 / r3
-        return energies.index_add(0, i, c9 * fdamp * ang / 3.0)  # a third to each member as centre
+        return r_jk.new_zeros(n_owned).index_add(0, i, c9 * fdamp * ang / 3.0)  # a third to each member as centre
 
     # --------------------------------------------------------------- forward
     def _check_numbers(self, numbers: torch.Tensor) -> None:

@@ -206,6 +206,20 @@ def test_atm_against_sdftd3(system: str, damping: str, s9: float) -> None:
     compare(atoms, "b3lyp" if damping == "bj" else "pbe", damping, s9)
 
 
+@pytest.mark.parametrize("system", ["si_diamond", "graphite"])
+def test_atm_in_small_chunks_against_sdftd3(system: str, monkeypatch) -> None:
+    """Chunks of about 500 candidate triples (here one per atom, each recomputed in the backward): s-dftd3's values."""
+    import halopipe.models.dftd3 as d3
+
+    counted = []
+    chunks = d3._chunks_of_triples
+    monkeypatch.setattr(d3, "TRIPLE_CHUNK", 500)
+    monkeypatch.setattr(d3, "_chunks_of_triples", lambda *a: counted.append(len(chunks(*a))) or chunks(*a))
+    atoms = CRYSTALS[system]()
+    compare(atoms, "b3lyp", "bj", 1.0)
+    assert max(counted) == len(atoms) > 1, counted  # every centre has more than 500 candidate triples
+
+
 @pytest.mark.timeout(120)
 def test_default_cutoffs_periodic() -> None:
     """Default cutoffs (LAMMPS two-body and CN, s-dftd3 ATM) on a sparse periodic system, with ATM."""
