@@ -322,7 +322,7 @@ def build_view(
         return torch.cat([x, domain.ghost_rows(x, width)])
 
     half = bool(getattr(model, "half_list", False))
-    candidates = _candidates(domain, rows.detach(), n_ghost, float(model.cutoff), half, pair_cache)
+    candidates, offsets = _candidates(domain, rows.detach(), n_ghost, float(model.cutoff), half, pair_cache)
     if half:
         pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
     else:
@@ -347,11 +347,14 @@ def build_view(
         cutoff=float(model.cutoff),
         half_list=vec is None,
         mesh_transform=domain.mesh_transform,
+        pair_offsets=offsets if half else None,  # a full list was compacted above: offsets no longer hold
     )
 
 
-def _candidates(domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool, pair_cache: dict) -> torch.Tensor:
-    """Candidate pairs within ``cutoff + skin`` among ``rows`` (owned, then ``n_ghost`` ghosts), once per plan.
+def _candidates(
+    domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool, pair_cache: dict
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Candidate pairs within ``cutoff + skin`` among ``rows`` (owned, then ``n_ghost`` ghosts), once per plan, and their offsets.
 
     One search per plan and distinct (rows, cutoff, kind): models with equal
     cutoffs and widths share it. A half list is filtered from a wider cached
@@ -367,7 +370,7 @@ def _candidates(domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float,
     key = ((n_ghost, cutoff, half), version)
     cached = pair_cache.get(key)
     if cached is not None:
-        return cached[0]
+        return cached
     reach = cutoff + domain.skin
     wider = [c for (k, _), c in pair_cache.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
     if wider:
@@ -378,7 +381,7 @@ def _candidates(domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float,
     else:
         found = (owned_pairs(rows, domain.n_owned, reach), None)
     pair_cache[key] = found
-    return found[0]
+    return found
 
 
 # ---------------------------------------------------------------------- evaluation

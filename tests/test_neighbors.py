@@ -149,6 +149,9 @@ def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
     wide_rows = _view_rows(domain, 6.5)
     wide, start = grouped_owned_half_pairs(wide_rows, n_owned, 7.0)
     assert (start is not None) == (kernels == "warp")
+    if kernels == "warp":  # the search's offsets, which views pass on as pair_offsets, agree with a bincount
+        assert bool((wide[0, 1:] >= wide[0, :-1]).all())
+        assert torch.equal(start[1:].long(), torch.cumsum(torch.bincount(wide[0], minlength=n_owned), 0))
     for width, reach in [(6.5, 5.2), (4.0, 7.0), (3.5, 4.0), (0.5, 1.5)]:  # fewer ghosts and/or a shorter cutoff
         rows = _view_rows(domain, width)
         got, got_start = narrower_half_pairs(wide, start, rows, reach)

@@ -38,25 +38,29 @@ class HalfList:
     start: torch.Tensor | None = None
 
     @staticmethod
-    def from_pairs(pairs: torch.Tensor, n_owned: int, is_half: bool, ptype: torch.Tensor | None = None) -> HalfList:
+    def from_pairs(
+        pairs: torch.Tensor, n_owned: int, is_half: bool, ptype: torch.Tensor | None = None, start: torch.Tensor | None = None
+    ) -> HalfList:
         """From a view's pairs: a half list as is, or a directed owned-centred list halved.
 
         A directed list holds owned-owned pairs in both directions; one
         direction (``i < j``) is kept. ``ptype`` (per pair of ``pairs``) is
-        filtered alike.
+        filtered alike. ``start``: the offsets of a half list that comes
+        grouped by owned row (a view's ``pair_offsets``), kept as they are.
         """
         if not is_half:
             keep = (pairs[1] >= n_owned) | (pairs[0] < pairs[1])
-            pairs = pairs[:, keep]
+            pairs, start = pairs[:, keep], None
             ptype = ptype[keep] if ptype is not None else None
         as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-        return HalfList(as32(pairs[0]), as32(pairs[1]), as32(ptype) if ptype is not None else None)
+        return HalfList(as32(pairs[0]), as32(pairs[1]), as32(ptype) if ptype is not None else None, start)
 
     def grouped(self, n_owned: int) -> HalfList:
         """The same pairs grouped by owned row, with ``start`` offsets (a stable sort only if not grouped yet).
 
-        The owned-centred search already returns its pairs grouped, so this
-        usually costs one check and one prefix sum per rebuild.
+        The owned-centred search already returns its pairs grouped, with
+        offsets that a view passes on (``pair_offsets``), so this usually costs
+        nothing; without them, one check and one prefix sum per rebuild.
         """
         if self.start is not None:
             return self

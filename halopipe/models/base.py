@@ -80,6 +80,9 @@ class LocalView:
     ids : (R,) global atom index of each row (owner's index for ghosts).
     half_list : ``pairs`` is a half candidate list (given to models that set
         ``half_list = True``).
+    pair_offsets : ``(n_owned + 1,)`` int32 offsets when the half list comes
+        grouped by owned row (row ``a``'s pairs are ``pair_offsets[a] ..
+        pair_offsets[a + 1]``), else None.
     """
 
     positions: torch.Tensor
@@ -98,6 +101,7 @@ class LocalView:
     cutoff: float = 0.0
     half_list: bool = False
     mesh_transform: Callable | None = None
+    pair_offsets: torch.Tensor | None = None
 
     @property
     def n_rows(self) -> int:

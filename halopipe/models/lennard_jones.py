@@ -107,7 +107,7 @@ class LennardJones(Model):
         n_species = int(species.numel())
         # One species: a single pair type, which the kernel reads once per row instead of once per pair.
         ptype = species_index[view.pairs[0]] * n_species + species_index[view.pairs[1]] if n_species > 1 else None
-        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype).grouped(view.n_owned)
+        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype, view.pair_offsets).grouped(view.n_owned)
         tables = self._tables(species, view.positions.dtype)
         self._cached = (view.pairs, half, tables)
         return half, tables
