@@ -243,7 +243,7 @@ class ShardedSystem(Domain):
         # An atom was within skin/2 of its old brick at the last migration; the brick's faces moved by at most shift.
         shift = math.inf if old is None else bounds_shift(old, self.partition)
         near = peers is not None and 0.5 * self.skin + moved + shift <= reach
-        self._migrate(new_owner, peers if near else None)
+        self._migrate(new_owner, peers if near else None, copy=old is None)
         self._ref = self.positions.detach().clone()
         self._ref_cell = self.cell.detach().clone()
         if width is not None:
@@ -286,15 +286,20 @@ class ShardedSystem(Domain):
         return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width))
 
     # ------------------------------------------------------------ migration
-    def _migrate(self, dest: torch.Tensor, peers: list[int] | None) -> None:
+    def _migrate(self, dest: torch.Tensor, peers: list[int] | None, copy: bool = False) -> None:
         """Send each owned atom to rank ``dest``; keep atoms sorted by global id.
 
-        ``peers``: the ranks that may send or receive atoms (all ranks when ``None``).
+        ``peers``: the ranks that may send or receive atoms (all ranks when
+        ``None``). Where nobody leaves or arrives (always so on one rank) the
+        arrays stay as they are, unless ``copy`` (the scatter's first
+        migration, which copies the input into sorted arrays of its own).
         """
         order = torch.argsort(dest, stable=True)
         ranks, counts = torch.unique_consecutive(dest[order], return_counts=True)
         send_counts = dict(zip(ranks.tolist(), counts.tolist()))
         recv_counts = self.comm.exchange_counts(send_counts, peers)
+        if not copy and set(send_counts) | set(recv_counts) <= {self.rank}:
+            return
         floats, ints = self._pack()
         received = []
         for data, dtype in ((floats[order], floats.dtype), (ints[order], torch.int64)):
