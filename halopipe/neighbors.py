@@ -157,10 +157,12 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> t
     """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
 
     Rows are binned into cubes of edge about ``cutoff / 2`` and sorted by
-    cube; each owned row ``i`` scans the cubes within ``cutoff`` (up to 5 x 5
-    lines of 5 contiguous cubes, each trimmed to the cutoff sphere) and keeps
-    rows ``j > i`` (every ghost is ``> i``). Pairs come out grouped by ``i``
-    in a deterministic order, with their ``n_owned + 1`` offsets.
+    cube, owned rows and ghost rows in two sections; each owned row ``i``
+    scans the cubes within ``cutoff`` (up to 5 x 5 lines of 5 contiguous
+    cubes, each trimmed to the cutoff sphere) for ghosts, and their upper half
+    for owned rows (each owned pair once, from the end that sorts first).
+    Pairs come out grouped by ``i`` in a deterministic order, with their
+    ``n_owned + 1`` offsets.
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
@@ -173,13 +175,17 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> t
     reach = math.ceil(float(cutoff) / edge)
     cell = torch.floor((pos - lo) / edge).to(torch.int32)
     dims = [int(d) for d in (cell.max(dim=0).values + 1).tolist()]
+    n_cells = math.prod(dims)
     cell_id = (cell[:, 2].long() * dims[1] + cell[:, 1]) * dims[0] + cell[:, 0]
+    cell_id[n_owned:] += n_cells  # ghosts in a section of their own, after the owned rows
     order = torch.argsort(cell_id, stable=True)
-    cell_start = torch.zeros(math.prod(dims) + 1, dtype=torch.int32, device=device)
-    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=math.prod(dims)), 0)
+    slot = torch.empty_like(order, dtype=torch.int32)
+    slot[order] = torch.arange(order.numel(), dtype=torch.int32, device=device)
+    cell_start = torch.zeros(2 * n_cells + 1, dtype=torch.int32, device=device)
+    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells), 0)
     wp = warp_module()
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
-    grid = [pos, pos[order], order.to(torch.int32), cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
+    grid = [pos, pos[order], order.to(torch.int32), slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
     inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
     return _grouped_two_passes("owned_half", n_owned, device, inputs)
 
