@@ -106,6 +106,8 @@ def grouped_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) ->
     ``a``'s pairs are ``start[a] .. start[a + 1]``), or ``None`` for ``start``
     when the search does not group (without Warp).
     """
+    if not 0 <= n_owned <= rows.shape[0]:  # the owned rows are a prefix of the rows: the kernels read every owned row
+        raise ValueError(f"owned-centred pair search: n_owned={n_owned} must be between 0 and the {rows.shape[0]} rows")
     if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
     if warp_kernel("owned_half_fill", _LISTS) is not None:

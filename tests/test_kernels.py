@@ -81,14 +81,22 @@ def test_weighted_backward_matches_autograd_of_pair_formula(backend):
 
 
 def test_half_list_holds_each_owned_pair_once():
-    rows = torch.tensor(_argon(repeat=1).positions, dtype=torch.float64)
+    """10 of 32 rows owned: every pair within the cutoff with an owned end, once, against all distances by cdist."""
+    rows = torch.tensor(_argon(repeat=2).positions, dtype=torch.float64)
     n_owned = 10
     half = owned_half_pairs(rows, n_owned, 4.0)
-    full = owned_pairs(rows, n_owned, 4.0)
     assert bool((half[0] < n_owned).all())
     as_set = lambda p: {tuple(sorted(x)) for x in p.T.tolist()}  # noqa: E731
-    assert as_set(half) == as_set(full)
-    assert half.shape[1] == len(as_set(half))
+    i, j = torch.nonzero(torch.cdist(rows, rows) <= 4.0, as_tuple=True)
+    want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
+    assert len(want) > n_owned and as_set(half) == want
+    assert half.shape[1] == len(want)
+
+
+def test_owned_rows_beyond_the_rows_are_refused():
+    rows = torch.tensor(_argon(repeat=1).positions, dtype=torch.float64)
+    with pytest.raises(ValueError, match="n_owned=10 .* 4 rows"):
+        owned_half_pairs(rows, 10, 4.0)
 
 
 def test_empty_view_gives_zero_energy(backend):
@@ -150,7 +158,8 @@ def test_half_list_on_a_wide_halo_matches_the_full_list():
     n_owned = 12
     half = owned_half_pairs(rows, n_owned, 6.0)
     as_set = lambda p: {tuple(sorted(x)) for x in p.T.tolist()}  # noqa: E731
-    assert as_set(half) == as_set(owned_pairs(rows, n_owned, 6.0))
+    i, j = torch.nonzero(torch.cdist(rows, rows) <= 6.0, as_tuple=True)  # all distances: independent of the search
+    assert as_set(half) == {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
     assert half.shape[1] == len(as_set(half)) and bool((half[0] < n_owned).all())
 
 
