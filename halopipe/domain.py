@@ -182,7 +182,7 @@ class Domain:
     ghost_shift: torch.Tensor
     ghost_ids: torch.Tensor
     ghost_distance: torch.Tensor
-    _row_offsets: tuple | None = None  # ((plan_version, n_ghost), cell, offsets) of :meth:`row_offsets`
+    _row_offsets: tuple | None = None  # (plan_version, cell, offsets of all ghosts) of :meth:`row_offsets`
 
     @property
     def n_owned(self) -> int:
@@ -201,17 +201,18 @@ class Domain:
         """``owned_shift @ cell`` and ``ghost_shift[:n_ghost] @ cell``: what places owned and ghost rows.
 
         Kept for the current plan while the cell stays the same tensor value
-        (an MD step reuses them); a cell that carries a graph (strain for
-        stress) gets fresh, differentiable products.
+        (an MD step reuses them), for all the plan's ghosts, so views of every
+        width take a prefix; a cell that carries a graph (strain for stress)
+        gets fresh, differentiable products.
         """
         if cell.requires_grad:
             return self.owned_shift.to(cell.dtype) @ cell, self.ghost_shift[:n_ghost].to(cell.dtype) @ cell
-        key = (self.plan_version, n_ghost)
         cached = self._row_offsets
-        if cached is None or cached[0] != key or not torch.equal(cached[1], cell):
-            offsets = (self.owned_shift.to(cell.dtype) @ cell, self.ghost_shift[:n_ghost].to(cell.dtype) @ cell)
-            cached = self._row_offsets = (key, cell.detach().clone(), offsets)
-        return cached[2]
+        if cached is None or cached[0] != self.plan_version or not torch.equal(cached[1], cell):
+            offsets = (self.owned_shift.to(cell.dtype) @ cell, self.ghost_shift.to(cell.dtype) @ cell)
+            cached = self._row_offsets = (self.plan_version, cell.detach().clone(), offsets)
+        owned, ghosts = cached[2]
+        return owned, ghosts[:n_ghost]
 
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
         """Ghost rows within ``width`` of a per-atom tensor, from their owners (differentiable).

@@ -462,9 +462,8 @@ def _search_widest_half_list(pipeline: Pipeline, domain: Domain, ghost_positions
     n_ghost, cutoff = max(n for n, _ in needs), max(c for _, c in needs)
     if ((n_ghost, cutoff, True), domain.plan_version) in pair_cache:
         return
-    positions, cell = domain.positions.detach(), domain.cell.detach()
-    ghosts = ghost_positions[:n_ghost] + domain.ghost_shift[:n_ghost].to(positions.dtype) @ cell
-    rows = torch.cat([positions + domain.owned_shift.to(positions.dtype) @ cell, ghosts])
+    owned_offset, ghost_offset = domain.row_offsets(domain.cell.detach(), n_ghost)
+    rows = torch.cat([domain.positions.detach() + owned_offset, ghost_positions[:n_ghost] + ghost_offset])
     _candidates(domain, rows, n_ghost, cutoff, True, pair_cache)
 
 
