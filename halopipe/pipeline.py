@@ -189,7 +189,7 @@ class Pipeline(torch.nn.Module):
         lists are reused until some atom moved more than ``skin / 2``), the
         brick grid, the halo mode and the timeout; default ``DomainConfig()``.
 
-    Calling ``pipeline(system, stress=False)`` evaluates
+    Calling ``pipeline(system, stress=False, energy=True)`` evaluates
 
     * a :class:`~halopipe.System` on this process, or, under a process group
       of several ranks, split over them (pass the system on rank 0; other
@@ -203,6 +203,9 @@ class Pipeline(torch.nn.Module):
     (3, 3, eV/Å³, ASE sign) and ``virial`` (eV) when asked, ``fields`` (the
     produced per-atom fields, by visible name) and ``halo`` (ghost rows each
     step saw on this rank, and ``exchanged``: rows the plan holds).
+    ``energy=False`` asks for forces only, as most MD steps do (LAMMPS
+    evaluates energies only on thermo steps): the three energy keys are left
+    out, and direct models may skip their energy work; the forces are the same.
     """
 
     def __init__(self, groups, config: DomainConfig | None = None) -> None:
@@ -246,20 +249,20 @@ class Pipeline(torch.nn.Module):
             return f"the system lacks field(s) {missing} that no step produces; add them to System.fields or wire a model producing them"
         return None
 
-    def forward(self, system: System | Domain | None, stress: bool = False, decompose: bool = True) -> dict:
+    def forward(self, system: System | Domain | None, stress: bool = False, decompose: bool = True, energy: bool = True) -> dict:
         """Evaluate ``system`` (see the class docstring); ``decompose=False`` keeps a System on this process.
 
         Every rank of a running process group must make the call unless
         ``decompose=False`` (a single-process reference on rank 0, say).
         """
         if isinstance(system, Domain):
-            return self._evaluate_on(system, stress)
+            return self._evaluate_on(system, stress, energy)
         domain = _decomposition(system, self.config) if decompose and _decomposition is not None else None
         if domain is not None:
-            return _gathered(self._evaluate_on(domain, stress), domain)
+            return _gathered(self._evaluate_on(domain, stress, energy), domain)
         if not isinstance(system, System):
             raise TypeError(f"Pipeline: expected a halopipe.System or a Domain, got {type(system).__name__}")
-        return self._evaluate_on(self._local_domain(system), stress)
+        return self._evaluate_on(self._local_domain(system), stress, energy)
 
     def _local_domain(self, system: System) -> LocalDomain:
         if self._domain is not None and self._domain.compatible(system) and self._domain.skin == float(self.config.skin):
@@ -270,11 +273,11 @@ class Pipeline(torch.nn.Module):
             self._pair_cache = {}
         return self._domain
 
-    def _evaluate_on(self, domain: Domain, stress: bool) -> dict:
+    def _evaluate_on(self, domain: Domain, stress: bool, energy: bool) -> dict:
         problem = domain.problem(self.config) or self.missing_fields(domain.fields)
         problem = f"Pipeline: {problem}" if problem else None
         with domain.guard("pipeline evaluation"):
-            out = evaluate(self, domain, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of, problem=problem)
+            out = evaluate(self, domain, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of, problem=problem, energy=energy)
         names = [name for row in self.names for name in row]
         out["halo"] = {name: domain.ghost_count(self.halo_of(s.model)) for name, s in zip(names, self._steps())}
         out["halo"]["exchanged"] = domain.n_exchanged
@@ -287,7 +290,8 @@ class Pipeline(torch.nn.Module):
 def _gathered(out: dict, domain: Domain) -> dict:
     """Per-atom results of the owned atoms -> all atoms in the original order, on every rank."""
     out["forces"] = domain.gather(out["forces"])
-    out["energies"] = domain.gather(out["energies"])
+    if "energies" in out:
+        out["energies"] = domain.gather(out["energies"])
     out["fields"] = {name: domain.gather(value) for name, value in out["fields"].items()}
     return out
 
@@ -302,6 +306,8 @@ def build_view(
     fields: dict[str, torch.Tensor],
     pair_cache: dict,
     ghost_positions: torch.Tensor | None = None,
+    need_energy: bool = True,
+    need_virial: bool = True,
 ) -> LocalView:
     """The local view of ``step.model``: owned rows, ghosts within ``width``, pairs and inputs.
 
@@ -310,6 +316,8 @@ def build_view(
     view reuses them instead of exchanging positions again. For forces by
     autograd they must be the differentiable refresh of ``positions``
     (:func:`_group_ghost_positions`), so ghost gradients go home.
+    ``need_energy`` and ``need_virial`` tell a direct evaluation what its
+    caller uses (:class:`~halopipe.models.LocalView`).
     """
     model = step.model
     n = domain.n_owned
@@ -348,6 +356,8 @@ def build_view(
         half_list=vec is None,
         mesh_transform=domain.mesh_transform,
         pair_offsets=offsets if half else None,  # a full list was compacted above: offsets no longer hold
+        need_energy=need_energy,
+        need_virial=need_virial,
     )
 
 
@@ -393,7 +403,13 @@ def _volume(cell: torch.Tensor) -> float:
 
 
 def evaluate(
-    pipeline: Pipeline, domain: Domain, stress: bool = False, pair_cache: dict | None = None, halo_of=None, problem: str | None = None
+    pipeline: Pipeline,
+    domain: Domain,
+    stress: bool = False,
+    pair_cache: dict | None = None,
+    halo_of=None,
+    problem: str | None = None,
+    energy: bool = True,
 ) -> dict:
     """Energy, forces (owned rows) and optionally stress of ``pipeline`` on ``domain``.
 
@@ -402,7 +418,8 @@ def evaluate(
     ``problem``: this rank's reason not to run (or None), raised on every rank
     before any data moves (agreed in the plan check's reduction).
     Returns ``energy``, ``energies`` (owned atoms), ``model_energies``,
-    ``forces`` (owned atoms), ``fields`` and, with ``stress``, ``virial`` and ``stress``.
+    ``forces`` (owned atoms), ``fields`` and, with ``stress``, ``virial`` and ``stress``;
+    ``energy=False`` leaves the three energy keys out (forces only).
     """
     pair_cache = {} if pair_cache is None else pair_cache
     halo_of = halo_of or (lambda model: model.halo)
@@ -423,28 +440,25 @@ def evaluate(
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
     for group in pipeline.groups:
         run = _run_autograd_group if group.autograd else _run_direct_group
-        f, w, e, p = run(group, domain, static, stress, pair_cache, halo_of, ghost_positions)
+        f, w, e, p = run(group, domain, static, stress, pair_cache, halo_of, ghost_positions, energy)
         forces += f
         virial += w
-        for per_atom in e:
+        for per_atom in e if energy else ():
             energies += per_atom
             local_energy.append(per_atom.sum())
         produced.update(p)
         broken.append((~torch.isfinite(f.sum() + w.sum())).to(dtype))  # a NaN or inf anywhere makes the sum non-finite
     # One reduction for energies, flags and the virial: every rank sees the same values and raises the same error.
     k = len(local_energy)
-    parts = [torch.stack(local_energy).detach(), torch.stack(broken)] + ([virial.reshape(9)] if stress else [])
+    parts = [torch.stack(local_energy).detach()] if energy else []
+    parts += [torch.stack(broken)] + ([virial.reshape(9)] if stress else [])
     reduced = domain.all_reduce(torch.cat(parts))
     totals = reduced[:k]
     _raise_if_not_finite(pipeline, totals, reduced[k : k + len(broken)])
-    names = [name for row in pipeline.names for name in row]
-    result = {
-        "energy": totals.sum(),
-        "energies": energies,
-        "model_energies": {name: totals[k] for k, name in enumerate(names)},
-        "forces": forces,
-        "fields": produced,
-    }
+    result = {"forces": forces, "fields": produced}
+    if energy:
+        names = [name for row in pipeline.names for name in row]
+        result.update(energy=totals.sum(), energies=energies, model_energies={name: totals[k] for k, name in enumerate(names)})
     if stress:
         result["virial"] = reduced[k + len(broken) :].reshape(3, 3)
         result["stress"] = -result["virial"] / volume
@@ -492,7 +506,7 @@ def _group_ghost_positions(group: Group, domain: Domain, positions: torch.Tensor
     return domain.ghost_rows(positions, width, known=ghost_positions[: domain.ghost_count(width)])
 
 
-def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
+def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions, energy: bool):
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
     eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
@@ -523,17 +537,24 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     return forces.detach(), virial.detach(), per_atom_energies, made
 
 
-def _check_direct_output(model, out, n_owned: int, n_rows: int) -> None:
-    """A direct-force model returned forces for every row (or only the owned ones, when ``ghost_forces`` is False) and a virial."""
-    if out.forces is None or out.virial is None:
+def _check_direct_output(model, out, view: LocalView) -> None:
+    """A direct-force model returned forces for every row (or only the owned ones, when ``ghost_forces`` is False).
+
+    And the energies and virial its view needs.
+    """
+    n_owned, n_rows = view.n_owned, view.n_rows
+    if out.forces is None:
         raise RuntimeError(f"{model.name}: asked for direct forces but returned none")
+    for name, needed in (("energies", view.need_energy), ("virial", view.need_virial)):
+        if needed and getattr(out, name) is None:
+            raise RuntimeError(f"{model.name}: a direct evaluation that needs its {name} returned none")
     rows = n_rows if model.ghost_forces else n_owned
     if out.forces.shape[0] != rows:
         which = "every row of its view" if model.ghost_forces else "its owned rows only (ghost_forces is False)"
         raise RuntimeError(f"{model.name}: direct forces have {out.forces.shape[0]} rows, expected {rows}: {which}")
 
 
-def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions):
+def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions, energy: bool):
     n = domain.n_owned
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
@@ -542,12 +563,14 @@ def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, 
     with torch.no_grad():
         for step in group.steps:
             width = halo_of(step.model)
-            view = build_view(domain, step, width, positions, cell, static, pair_cache, ghost_positions)
+            view = build_view(domain, step, width, positions, cell, static, pair_cache, ghost_positions, energy, stress)
             out = step.model(view, direct=True)
-            _check_direct_output(step.model, out, n, view.n_rows)
+            _check_direct_output(step.model, out, view)
             forces += out.forces[:n]
             if step.model.ghost_forces:  # a class property, so every rank agrees whether this collective runs
                 forces += domain.fold_ghosts(out.forces[n:], width)
-            virial += out.virial
-            per_atom_energies.append(out.energies)
+            if stress:
+                virial += out.virial
+            if energy:
+                per_atom_energies.append(out.energies)
     return forces, virial, per_atom_energies, {}

@@ -8,7 +8,9 @@
   differences (periodic systems);
 * energy is invariant under translation and rotation (forces rotate along);
 * forces sum to zero;
-* direct forces and virial, where offered, equal the autograd ones;
+* direct forces and virial, where offered, equal the autograd ones, and a
+  forces-only direct evaluation (``energy=False``, no stress) gives the same
+  forces bit for bit, so a trajectory never depends on what is reported;
 * produced per-atom fields are invariant under translation and rotation;
 * on a view that owns no atoms (a rank whose brick is empty: vacuum, a cluster
   in a box) the model returns no energies, zero forces and virial, and calls
@@ -159,9 +161,21 @@ def check_model(
         _close("direct_forces", direct["forces"], forces, atol * max(1.0, float(forces.abs().max())), 0.0, report)
         if periodic:
             _close("direct_stress", direct["stress"], ref["stress"], atol * max(1e-3, float(ref["stress"].abs().max())), 0.0, report)
+        _check_forces_only(model, system, direct["forces"], report)
     if not math.isfinite(energy):
         raise AssertionError(f"check_model: energy is not finite ({energy})")
     return report
+
+
+def _check_forces_only(model, system: System, forces: torch.Tensor, report: dict) -> None:
+    """A direct evaluation asked for forces only leaves the energies out and gives bitwise the full evaluation's forces."""
+    out = Pipeline([Group([Step(model)], autograd=False)])(system, energy=False)
+    if "energy" in out or "energies" in out:
+        raise AssertionError("check_model: a forces-only evaluation (energy=False) returned energies")
+    if not torch.equal(out["forces"], forces):
+        err = float((out["forces"] - forces).abs().max())
+        raise AssertionError(f"check_model: forces-only direct forces differ from the full evaluation's by {err:.3e} (they must be equal)")
+    report["direct_forces_only"] = 0.0
 
 
 def _rotate_fields(fields: dict, rot: torch.Tensor) -> dict:

@@ -115,6 +115,31 @@ def test_direct_forces_of_the_wrong_length_are_named(nacl):
         Pipeline([Group([_OwnedForcesClaimedButAllRows(0.01, 3.0, 5.0)], autograd=False)])(nacl)
 
 
+def test_forces_only_leaves_energies_out_and_keeps_the_forces(nacl):
+    """``energy=False`` (most MD steps) over a direct group and a wired autograd group: same forces, no energy keys."""
+    charges = Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(DSFCoulomb(7.0, 0.2))], autograd=True)
+    pipe = Pipeline([Group([Step(LennardJones(**LJ))], autograd=False), charges])
+    full, forces_only = pipe(nacl), pipe(nacl, energy=False)
+    assert not {"energy", "energies", "model_energies"} & set(forces_only)
+    assert torch.equal(forces_only["forces"], full["forces"])
+    torch.testing.assert_close(forces_only["fields"]["charges"], full["fields"]["charges"], atol=0, rtol=0)
+
+
+class _NoEnergiesEver(LennardJones):
+    """Leaves its energies out even when its view needs them."""
+
+    def forward(self, view, direct=False):
+        out = super().forward(view, direct)
+        out.energies = None
+        return out
+
+
+def test_a_direct_model_that_drops_needed_energies_is_named(nacl):
+    with pytest.raises(RuntimeError, match="_NoEnergiesEver: a direct evaluation that needs its energies returned none"):
+        Pipeline([Group([_NoEnergiesEver(**LJ)], autograd=False)])(nacl)
+    assert Pipeline([Group([_NoEnergiesEver(**LJ)], autograd=False)])(nacl, energy=False)["forces"].shape == (nacl.n_atoms, 3)
+
+
 def test_missing_input_field_is_named():
     s = cluster(10, charges=False)
     with pytest.raises(ValueError, match=r"lacks field\(s\) \['charges'\]"):

@@ -55,6 +55,7 @@ class MDState:
         self.step = 0
         self.time = 0.0
         self.want_stress = False
+        self.want_energy = True
         self.can_stress = bool(sharded.pbc.all())
         self.forces: torch.Tensor | None = None
         self.energy: torch.Tensor | None = None
@@ -105,11 +106,15 @@ class MDState:
 
     # ------------------------------------------------------------- forces
     def compute(self) -> None:
-        """Evaluate the potential (collective); atoms may migrate and re-sort here."""
-        out = self.potential(self.sharded, stress=self.want_stress and self.can_stress)
+        """Evaluate the potential (collective); atoms may migrate and re-sort here.
+
+        The energy is evaluated when :attr:`want_energy` (else :attr:`energy`
+        is None), the stress when :attr:`want_stress` and the cell is periodic.
+        """
+        out = self.potential(self.sharded, stress=self.want_stress and self.can_stress, energy=self.want_energy)
         self.result = out
         self.forces = out["forces"].detach()
-        self.energy = out["energy"].detach()
+        self.energy = out["energy"].detach() if self.want_energy else None
         self.stress = out["stress"].detach() if "stress" in out else None
 
     def accelerations(self) -> torch.Tensor:
@@ -128,6 +133,8 @@ class Integrator:
     name = "integrator"
     momentum_conserved = True
     converged = False
+    energy_every_step = False
+    """Whether a step needs the potential energy (a minimiser that may stop at any step sets it, so its last energy is known)."""
 
     def __init__(self, timestep: float) -> None:
         if not (isinstance(timestep, (int, float)) and math.isfinite(timestep) and timestep > 0):
@@ -362,6 +369,7 @@ class FIRE(Integrator):
 
     name = "FIRE (minimisation)"
     momentum_conserved = False
+    energy_every_step = True
 
     def __init__(
         self,

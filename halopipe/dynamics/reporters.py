@@ -77,6 +77,10 @@ class Reporter:
     def wants_stress(self, step: int) -> bool:
         return False
 
+    def wants_energy(self, step: int) -> bool:
+        """Whether :meth:`report` at ``step`` reads the potential energy (every due step, unless a reporter says otherwise)."""
+        return self.due(step)
+
     def start(self, sim) -> None:
         """Called once before the first step (on every rank)."""
 
@@ -107,6 +111,9 @@ class ProgressBar(Reporter):
 
     def due(self, step: int) -> bool:
         return True
+
+    def wants_energy(self, step: int) -> bool:
+        return False
 
     def _open(self, sim):
         from tqdm import tqdm

@@ -323,6 +323,7 @@ class Simulation:
                 break
             n = md.step + 1
             md.want_stress = self._wants_stress(n)
+            md.want_energy = self._wants_energy(n)
             try:
                 self.integrator.step(md)
             except Exception as exc:
@@ -361,6 +362,16 @@ class Simulation:
 
     def _wants_stress(self, step: int) -> bool:
         return any(r.wants_stress(step) for r in self.reporters)
+
+    def _wants_energy(self, step: int) -> bool:
+        """The energy is evaluated where a reporter or the integrator uses it, and at the end of each run.
+
+        Other steps evaluate forces only (as LAMMPS evaluates energies on thermo
+        steps only); the forces, and so the trajectory, are the same.
+        """
+        if self.integrator.energy_every_step or step == self.target_step:
+            return True
+        return any(r.wants_energy(step) for r in self.reporters)
 
     def _report(self, step: int) -> None:
         due = [r for r in self.reporters if r.due(step)]

@@ -1,8 +1,10 @@
 """Warp sources of the half-list pair kernels (imported only when Warp loads).
 
-Each thread takes one pair ``(a, b)`` of a half list, skips it beyond the
-cutoff, adds half the pair energy to each end and the pair force, weighted by
-``(weight[a] + weight[b]) / 2``, to both ends with opposite signs.
+A thread takes one pair ``(a, b)`` of a half list, or one owned row ``a``
+and its pairs, skips pairs beyond the cutoff, adds half the pair energy to
+each end and the pair force, weighted by ``(weight[a] + weight[b]) / 2``, to
+both ends with opposite signs (the direct Lennard-Jones kernels differ: see
+:func:`_lj_owned_complete`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import warp as wp
 wp.set_module_options({"enable_backward": False})
 
 
-def _lj_owned_rows(single_type: bool, complete: bool):
+def _lj_owned_rows(single_type: bool):
     """Lennard-Jones over a half list grouped by owned row: one thread per owned row ``a``.
 
     The thread walks its pairs ``start[a] .. start[a + 1]``, keeps the force
@@ -21,14 +23,9 @@ def _lj_owned_rows(single_type: bool, complete: bool):
     partner ``b`` is updated per pair (Newton's third law). With one pair
     type (``single_type``) the parameters are loaded once per thread instead
     of once per pair. (Accumulating the virial here too measured 20 % slower
-    than one matrix product over the rows afterwards.)
-
-    ``complete`` (direct forces, owned weights: 1 below ``n_owned``, 0 on
-    ghosts) also writes ``rest[a]``, the half of each ghost pair's force that
-    ``a``'s weighted force leaves out: ``forces[a] + rest[a]`` is then ``a``'s
-    complete force, since the ghost's owner evaluates the same pair from its
-    side (LAMMPS's ``newton off``), while ``forces`` as written still gives the
-    virial of this rank's energy share, ``sum_rows r (x) f``.
+    than one matrix product over the rows afterwards.) Forces are
+    ``-d(sum_i weight_i e_i)/d(rows)``: each pair's force carries
+    ``(weight[a] + weight[b]) / 2``.
     """
 
     @wp.kernel
@@ -39,18 +36,15 @@ def _lj_owned_rows(single_type: bool, complete: bool):
         ptype: wp.array(dtype=wp.int32),
         params: wp.array(dtype=wp.vec3d),
         weight: wp.array(dtype=wp.float64),
-        n_owned: wp.int32,
         rc2: wp.float64,
         energies: wp.array(dtype=wp.float64),
         forces: wp.array(dtype=wp.vec3d),
-        rest: wp.array(dtype=wp.vec3d),
     ):
         a = wp.tid()
         ra = rows[a]
         wa = weight[a]
         p = params[0]  # (a12, b6, shift) of the only pair type, or overwritten per pair
         fa = wp.vec3d()
-        ra_rest = wp.vec3d()
         ea = wp.float64(0.0)
         for k in range(start[a], start[a + 1]):
             b = second[k]
@@ -68,21 +62,89 @@ def _lj_owned_rows(single_type: bool, complete: bool):
                 f = (c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
                 wp.atomic_add(forces, b, f)
                 fa -= f
-                if wp.static(complete):
-                    if b >= n_owned:
-                        ra_rest -= f
         wp.atomic_add(energies, a, ea)
         wp.atomic_add(forces, a, fa)
-        if wp.static(complete):
-            rest[a] = ra_rest
 
     return lj
 
 
-lj_owned_rows = _lj_owned_rows(single_type=False, complete=False)
-lj_owned_rows_single_type = _lj_owned_rows(single_type=True, complete=False)
-lj_owned_complete = _lj_owned_rows(single_type=False, complete=True)
-lj_owned_complete_single_type = _lj_owned_rows(single_type=True, complete=True)
+def _lj_owned_complete(single_type: bool, energy: bool, virial: bool):
+    """Lennard-Jones direct forces, complete on the owned rows (LAMMPS's ``newton off``): one thread per owned row ``a``.
+
+    ``forces`` (owned rows only) gets each pair's whole force: on ``a`` and,
+    by Newton's third law, on an owned partner; a pair with a ghost is
+    evaluated by both ranks that hold it, each keeping the force on its own
+    atom. The owned forces are computed the same way whatever ``energy`` and
+    ``virial`` ask, so a forces-only step moves atoms exactly as a step that
+    also reports. ``energy``: owned per-row energies (half of each pair to
+    each owned end). ``virial``: the forces of this rank's energy share, where
+    a ghost pair counts half: ``rest[a]``, the half of ``a``'s ghost pairs'
+    forces to give back, and ``ghost_forces`` (by ghost row), so that
+    ``sum_owned r (x) (forces + rest) + sum_ghost r (x) ghost_forces`` is the
+    share's virial. Eight compiled variants: a run-time test of the flags in
+    the inner loop would cost on every pair.
+    """
+
+    @wp.kernel
+    def lj(
+        rows: wp.array(dtype=wp.vec3d),
+        start: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        ptype: wp.array(dtype=wp.int32),
+        params: wp.array(dtype=wp.vec3d),
+        n_owned: wp.int32,
+        rc2: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        rest: wp.array(dtype=wp.vec3d),
+        ghost_forces: wp.array(dtype=wp.vec3d),
+    ):
+        a = wp.tid()
+        ra = rows[a]
+        p = params[0]  # (a12, b6, shift) of the only pair type, or overwritten per pair
+        fa = wp.vec3d()
+        rest_a = wp.vec3d()
+        ea = wp.float64(0.0)
+        for k in range(start[a], start[a + 1]):
+            b = second[k]
+            d = rows[b] - ra
+            r2 = wp.dot(d, d)
+            if r2 <= rc2:  # else a candidate within the skin, not the cutoff
+                if not wp.static(single_type):
+                    p = params[ptype[k]]
+                inv2 = wp.float64(1.0) / r2
+                inv6 = inv2 * inv2 * inv2
+                if wp.static(energy):
+                    half = wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
+                    ea += half
+                    if b < n_owned:
+                        wp.atomic_add(energies, b, half)
+                f = ((wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
+                fa -= f
+                if b < n_owned:
+                    wp.atomic_add(forces, b, f)
+                elif wp.static(virial):
+                    h = wp.float64(0.5) * f
+                    wp.atomic_add(ghost_forces, b - n_owned, h)
+                    rest_a += h
+        wp.atomic_add(forces, a, fa)
+        if wp.static(energy):
+            wp.atomic_add(energies, a, ea)
+        if wp.static(virial):
+            rest[a] = rest_a
+
+    return lj
+
+
+lj_owned_rows = _lj_owned_rows(single_type=False)
+lj_owned_rows_single_type = _lj_owned_rows(single_type=True)
+LJ_COMPLETE = {
+    (single, energy, virial): _lj_owned_complete(single, energy, virial)
+    for single in (False, True)
+    for energy in (False, True)
+    for virial in (False, True)
+}
+"""The complete (direct) kernels by ``(single_type, energy, virial)``."""
 
 
 def _d3_bj(ghosts_once: bool):

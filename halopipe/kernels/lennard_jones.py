@@ -39,8 +39,9 @@ def _pair_types(half: HalfList) -> torch.Tensor:
 def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces, rest=None) -> None:
     """Eager twin of the Warp kernels: the same arithmetic with a mask instead of a branch.
 
-    With ``rest`` (owned rows), the twin of the complete kernel: owned weights,
-    and each ghost pair's left-out half of the force added to ``rest``.
+    With ``rest`` (owned rows): each ghost pair's left-out half of the force
+    is added to ``rest``, so that ``forces[:n_owned] + rest`` are the
+    complete owned forces (the direct kernels' ``forces``).
     """
     first, second = half.first.long(), half.second.long()
     d = rows[second] - rows[first]
@@ -60,18 +61,12 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
         rest.index_add_(0, first[ghost], -f[ghost])
 
 
-def _run_kernel(rows, half: HalfList, tables: LJTables, weight, n_owned: int, energies, forces, rest=None) -> None:
-    """The Warp kernel (grouped by owned row) or, without Warp or in float32, its eager twin; ``rest``: the complete variant."""
+def _kernel_inputs(rows, half: HalfList, tables: LJTables, n_owned: int) -> tuple[bool, list]:
+    """Whether the tables hold one pair type, and the inputs every Warp LJ kernel starts with."""
     single = tables.a12.numel() == 1
-    name = ("lj_owned_complete" if rest is not None else "lj_owned_rows") + ("_single_type" if single else "")
-    kernel = warp_kernel(name) if rows.dtype == torch.float64 else None
-    if kernel is None:
-        _torch_kernel(rows, half, tables, weight, energies, forces, rest)
-        return
     grouped = half.grouped(n_owned)
     ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
-    inputs = [rows, grouped.start, grouped.second, ptype, tables.params, weight.contiguous(), n_owned, tables.cutoff**2]
-    launch(kernel, n_owned, rows.device, inputs, [energies, forces, forces if rest is None else rest])  # no rest: unwritten
+    return single, [rows, grouped.start, grouped.second, ptype, tables.params]
 
 
 def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,13 +74,22 @@ def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weigh
     rows = rows.detach().contiguous()
     energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     forces = torch.zeros_like(rows)
-    if half.n_pairs:
-        n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
-        _run_kernel(rows, half, tables, weight, n_owned, energies, forces)
+    if not half.n_pairs:
+        return energies, forces
+    n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
+    kernels = {single: warp_kernel("lj_owned_rows" + ("_single_type" if single else "")) for single in (False, True)}
+    single, inputs = _kernel_inputs(rows, half, tables, n_owned)
+    kernel = kernels[single] if rows.dtype == torch.float64 else None  # Warp kernels are float64; float32 runs eager
+    if kernel is None:
+        _torch_kernel(rows, half, tables, weight, energies, forces)
+    else:
+        launch(kernel, n_owned, rows.device, [*inputs, weight.contiguous(), tables.cutoff**2], [energies, forces])
     return energies, forces
 
 
-def lj_direct(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lj_direct(
+    rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int, energy: bool = True, virial: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Owned energies (n_owned,), complete owned forces (n_owned, 3) and this rank's virial (3, 3).
 
     The forces need no ghost rows folded home: a pair with a ghost is
@@ -93,19 +97,45 @@ def lj_direct(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int
     atom (LAMMPS's ``newton off``), which costs no extra pair work here
     because the owned-centred half list already holds such a pair on both
     sides. The virial is that of this rank's energy share (each ghost pair
-    at weight 1/2), so the ranks' virials sum to the total.
+    at weight 1/2), so the ranks' virials sum to the total. ``energy`` or
+    ``virial`` False skips that work and returns None in its place (LAMMPS's
+    ``eflag`` / ``vflag``); the forces are the same either way.
     """
     rows = rows.detach().contiguous()
-    energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
+    kernels = warp_kernel("LJ_COMPLETE")
+    if kernels is None or rows.dtype != torch.float64 or not half.n_pairs:
+        energies, forces, w = _lj_direct_eager(rows, half, tables, n_owned)
+        return (energies if energy else None), forces, (w if virial else None)
+    single, inputs = _kernel_inputs(rows, half, tables, n_owned)
+    forces = rows.new_zeros(n_owned, 3)
+    energies = rows.new_zeros(n_owned) if energy else None
+    rest = rows.new_zeros(n_owned, 3) if virial else forces
+    ghost_forces = rows.new_zeros(rows.shape[0] - n_owned, 3) if virial else forces
+    outputs = [rows.new_empty(0) if energies is None else energies, forces, rest, ghost_forces]  # unwritten placeholders
+    launch(kernels[single, energy, virial], n_owned, rows.device, [*inputs, n_owned, tables.cutoff**2], outputs)
+    w = _share_virial(rows, torch.cat([forces + rest, ghost_forces]), n_owned) if virial else None
+    return energies, forces, w
+
+
+def _lj_direct_eager(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int):
+    """:func:`lj_direct` by the eager twin (no Warp, float32, or no pairs): owned weights, then the left-out halves added."""
+    energies = rows.new_zeros(rows.shape[0])
     forces = torch.zeros_like(rows)
     rest = rows.new_zeros(n_owned, 3)
     if half.n_pairs:
-        _run_kernel(rows, half, tables, owned_weight(rows, n_owned), n_owned, energies, forces, rest)
-    # sum (r - c) (x) F about the owned centre, written as sum r (x) F - c (x) sum F (no pass that shifts every
-    # row); the second term removes the origin dependence that the rounding of sum F would otherwise leave.
+        _torch_kernel(rows, half, tables, owned_weight(rows, n_owned), energies, forces, rest)
+    return energies[:n_owned], forces[:n_owned] + rest, _share_virial(rows, forces, n_owned)
+
+
+def _share_virial(rows: torch.Tensor, forces: torch.Tensor, n_owned: int) -> torch.Tensor:
+    """``sum (r - c) (x) F`` over the rows for this rank's share's forces, about the owned centre ``c``.
+
+    Written as ``sum r (x) F - c (x) sum F`` (no pass that shifts every row);
+    the second term removes the origin dependence that the rounding of
+    ``sum F`` would otherwise leave.
+    """
     centre = rows[:n_owned].mean(dim=0) if n_owned else rows.new_zeros(3)
-    virial = rows.T @ forces - torch.outer(centre, forces.sum(dim=0))
-    return energies[:n_owned], forces[:n_owned] + rest, virial
+    return rows.T @ forces - torch.outer(centre, forces.sum(dim=0))
 
 
 class _LJEnergies(torch.autograd.Function):

@@ -83,6 +83,11 @@ class LocalView:
     pair_offsets : ``(n_owned + 1,)`` int32 offsets when the half list comes
         grouped by owned row (row ``a``'s pairs are ``pair_offsets[a] ..
         pair_offsets[a + 1]``), else None.
+    need_energy, need_virial : whether the caller uses the energies and the
+        virial of a direct evaluation (LAMMPS's ``eflag`` and ``vflag``): most
+        MD steps want forces only, so a direct model may then return
+        ``energies`` or ``virial`` as None and skip their work. The forces must
+        not depend on these flags. Evaluations through autograd ignore them.
     """
 
     positions: torch.Tensor
@@ -102,6 +107,8 @@ class LocalView:
     half_list: bool = False
     mesh_transform: Callable | None = None
     pair_offsets: torch.Tensor | None = None
+    need_energy: bool = True
+    need_virial: bool = True
 
     @property
     def n_rows(self) -> int:
@@ -118,10 +125,12 @@ class ModelOutput:
     for a model whose ``ghost_forces`` is False. ``virial`` is this view's share of
     ``W = -dE/d(strain)``, which for a translation-invariant energy equals
     ``sum_i r_i (x) f_i`` over the view's rows (:func:`virial_from_forces`);
-    stress is ``-W / volume``.
+    stress is ``-W / volume``. A direct evaluation may leave ``energies`` or
+    ``virial`` None when its view does not need them (``LocalView.need_energy``,
+    ``need_virial``).
     """
 
-    energies: torch.Tensor
+    energies: torch.Tensor | None
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     forces: torch.Tensor | None = None
     virial: torch.Tensor | None = None

@@ -117,5 +117,5 @@ class LennardJones(Model):
         n = view.n_owned
         if not direct:
             return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
-        energies, forces, virial = lj_direct(view.positions, half, tables, n)
+        energies, forces, virial = lj_direct(view.positions, half, tables, n, energy=view.need_energy, virial=view.need_virial)
         return ModelOutput(energies=energies, forces=forces, virial=virial)

@@ -264,3 +264,27 @@ def test_a_model_or_a_pipeline_drives_a_simulation():
         assert np.abs(final.numpy() - atoms.positions).max() < 1e-10
     with pytest.raises(TypeError, match="a Model or Pipeline"):
         Simulation("lj", hot_argon(), VelocityVerlet(1.0))
+
+
+def test_steps_between_reports_evaluate_forces_only_with_the_same_trajectory():
+    """Energies are evaluated where a reporter reads them and at a run's end only (LAMMPS's eflag), with the same trajectory bit for bit."""
+    potential = lambda: Pipeline([LennardJones(EPS, SIGMA, RC)], config=DomainConfig(skin=0.3))  # noqa: E731
+    every, sparse = Record(1), Record(7)
+    reference = Simulation(potential(), hot_argon(), VelocityVerlet(2.0), reporters=[every])
+    sim = Simulation(potential(), hot_argon(), VelocityVerlet(2.0), reporters=[sparse])
+    evaluated = []
+    compute = sim.md.compute
+
+    def spy() -> None:
+        compute()
+        evaluated.append(sim.md.energy is not None)
+
+    sim.md.compute = spy
+    reference.run(30)
+    sim.run(30)
+    assert evaluated == [True] + [n % 7 == 0 or n == 30 for n in range(1, 31)]  # the start, reports, the last step
+    assert sim.sharded.rebuilds > 1
+    assert torch.equal(sim.system().positions, reference.system().positions)
+    assert torch.equal(sim.system().fields["velocities"], reference.system().fields["velocities"])
+    assert [r["potential"] for r in sparse.rows] == [r["potential"] for r in every.rows if r["step"] % 7 == 0]
+    assert float(sim.md.energy) == every.rows[-1]["potential"]
