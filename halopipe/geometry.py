@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.backend import warp_module
+from .kernels.pairs import launch, warp_kernel
+
 __all__ = ["Geometry", "Partition", "choose_grid", "ImageSet", "images_near_bricks"]
+
+_GEOMETRY = "_warp_geometry"  # the Warp source of the kernels here (halopipe.kernels._warp_geometry)
 
 
 def choose_grid(world_size: int, cell: torch.Tensor, pbc: torch.Tensor, extent: torch.Tensor | None = None) -> tuple[int, int, int]:
@@ -146,6 +151,9 @@ class Partition:
         slab distance (Å) of ``wrapped + n`` outside the brick (0 inside).
         """
         device = wrapped.device
+        kernel = warp_kernel("nearest_image", _GEOMETRY)
+        if kernel is not None:
+            return self._warp_nearest_image(kernel, wrapped, brick)
         dist = torch.zeros(wrapped.shape[0], dtype=torch.float64, device=device)
         images = torch.zeros(wrapped.shape, dtype=torch.int64, device=device)
         for a in range(3):
@@ -159,6 +167,21 @@ class Partition:
             images[:, a] = cand[best]
             dist = torch.maximum(dist, ex.gather(1, best[:, None])[:, 0])
         return images, dist
+
+    def _warp_nearest_image(self, kernel, wrapped: torch.Tensor, brick: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`nearest_image` by one Warp thread per point (the same candidates, order and arithmetic)."""
+        wp, device, n = warp_module(), wrapped.device, wrapped.shape[0]
+        images = torch.empty(n, 3, dtype=torch.int32, device=device)
+        dist = torch.empty(n, dtype=torch.float64, device=device)
+        inputs = [
+            wrapped.to(torch.float64).contiguous(),
+            brick.to(device=device, dtype=torch.int32).contiguous(),
+            *[self.bounds[a].to(device=device, dtype=torch.float64).contiguous() for a in range(3)],
+            wp.vec3i(*[int(bool(p)) for p in self.geometry.pbc]),
+            wp.vec3d(*[float(h) for h in self.geometry.heights]),
+        ]
+        launch(kernel, n, device, inputs, [images, dist])
+        return images.to(torch.int64), dist
 
     def brick_index_of_rank(self, rank: torch.Tensor) -> torch.Tensor:
         """(N, 3) brick index of each given rank."""
@@ -201,18 +224,22 @@ def images_near_bricks(
         is an owned row (``own_image``, default 0, relative to ``wrapped``) in
         its owner's brick is excluded: it is not a ghost.
 
-    Works per axis on dense candidate masks (atoms x bricks x images), then
-    combines the axes by broadcasting: no Python loop over atoms.
+    With Warp, one thread per atom walks its candidates axis by axis
+    (:mod:`halopipe.kernels._warp_geometry`); otherwise this works per axis on
+    dense candidate masks (atoms x bricks x images), then combines the axes by
+    broadcasting. Both give the same images in the same order, and neither
+    loops over atoms in Python.
     """
+    if warp_kernel("images_near_bricks_fill", _GEOMETRY) is not None:
+        return _warp_images_near_bricks(partition, wrapped, image, width, own_rank, own_image)
     device = wrapped.device
     per_axis = []
     for a in range(3):
         p = partition.grid[a]
         bounds = partition.bounds[a].to(device)
         periodic = bool(partition.geometry.pbc[a])
-        wf = width / float(partition.geometry.heights[a])  # width in fractional units
         if periodic:
-            reach = int(math.ceil(wf)) + 1
+            reach = _image_reach(partition, width)[a]
             n_img = torch.arange(-reach, reach + 1, device=device)
         else:
             n_img = torch.zeros(1, dtype=torch.int64, device=device)
@@ -241,6 +268,51 @@ def images_near_bricks(
         keep = ~((rank == own_rank[atom]) & (shift_wrapped == home).all(dim=1))
         atom, rank, shift, dist = atom[keep], rank[keep], shift[keep], dist[keep]
     return ImageSet(atom=atom, rank=rank, shift=shift, distance=dist)
+
+
+def _image_reach(partition: Partition, width: float) -> list[int]:
+    """Per axis, how many lattice images either way can lie within ``width`` of a brick (0 where not periodic)."""
+    return [int(math.ceil(width / float(h))) + 1 if bool(p) else 0 for h, p in zip(partition.geometry.heights, partition.geometry.pbc)]
+
+
+def _warp_images_near_bricks(
+    partition: Partition,
+    wrapped: torch.Tensor,
+    image: torch.Tensor,
+    width: float,
+    own_rank: torch.Tensor | None,
+    own_image: torch.Tensor | None,
+) -> ImageSet:
+    """:func:`images_near_bricks` by the Warp kernels: count per atom, prefix sum, write."""
+    wp = warp_module()
+    device, n = wrapped.device, wrapped.shape[0]
+    as32 = lambda x: x.to(device=device, dtype=torch.int32).contiguous()  # noqa: E731
+    exclude = own_rank is not None
+    home = own_image if own_image is not None else torch.zeros_like(image)
+    inputs = [
+        wrapped.to(torch.float64).contiguous(),
+        as32(image),
+        *[partition.bounds[a].to(device=device, dtype=torch.float64).contiguous() for a in range(3)],
+        wp.vec3i(*partition.grid),
+        wp.vec3i(*_image_reach(partition, width)),
+        wp.vec3d(*[float(h) for h in partition.geometry.heights]),
+        float(width),
+        int(exclude),
+        as32(own_rank) if exclude else torch.zeros(n, dtype=torch.int32, device=device),
+        as32(home),
+    ]
+    counts = torch.zeros(n, dtype=torch.int32, device=device)
+    int64, int32 = torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int32, device=device)
+    nothing = [int32, int64, int64, torch.empty(0, 3, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.float64, device=device)]
+    launch(warp_kernel("images_near_bricks_count", _GEOMETRY), n, device, inputs, [*nothing[:5], counts])
+    offsets = torch.zeros(n + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    total = int(offsets[-1])
+    atom, rank = torch.empty(total, dtype=torch.int64, device=device), torch.empty(total, dtype=torch.int64, device=device)
+    shift = torch.empty(total, 3, dtype=torch.int32, device=device)
+    distance = torch.empty(total, dtype=torch.float64, device=device)
+    launch(warp_kernel("images_near_bricks_fill", _GEOMETRY), n, device, inputs, [offsets, atom, rank, shift, distance, counts])
+    return ImageSet(atom=atom, rank=rank, shift=shift.to(torch.int64), distance=distance)
 
 
 def _pack_axis(inside: torch.Tensor, excess: torch.Tensor, n_img: torch.Tensor):

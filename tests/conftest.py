@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from halopipe import System
+from halopipe.kernels import backend as kernel_backend_module
+from halopipe.kernels import pairs as pair_kernels
 
 torch.set_default_dtype(torch.float64)
 
@@ -63,3 +65,16 @@ def nacl() -> System:
 @pytest.fixture
 def molecule_cloud() -> System:
     return cluster()
+
+
+@pytest.fixture(params=["warp", "torch"])
+def backend(request, monkeypatch):
+    """Run a test once with each kernel technology (Warp skipped where it does not load)."""
+    monkeypatch.setenv("HALOPIPE_KERNELS", request.param)
+    kernel_backend_module.warp_module.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()
+    if request.param == "warp" and pair_kernels.warp_kernel("lj_owned_rows") is None:
+        pytest.skip("NVIDIA Warp is not available here")
+    yield request.param
+    kernel_backend_module.warp_module.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()

@@ -9,7 +9,9 @@ import pytest
 import torch
 from ase.neighborlist import neighbor_list
 
-from halopipe.geometry import Partition, choose_grid, images_near_bricks
+from halopipe.geometry import Geometry, Partition, choose_grid, images_near_bricks
+from halopipe.kernels import backend as kernel_backend_module
+from halopipe.kernels import pairs as pair_kernels
 
 from .conftest import triclinic_nacl
 
@@ -48,7 +50,7 @@ def brute_force_images(positions: np.ndarray, cell: np.ndarray, grid, width: flo
 
 
 @pytest.mark.parametrize("grid, width", [((1, 1, 1), 4.0), ((2, 3, 1), 3.0), ((2, 1, 2), 9.5)])
-def test_images_near_bricks_equal_brute_force(grid, width):
+def test_images_near_bricks_equal_brute_force(backend, grid, width):
     system = triclinic_nacl(repeat=(1, 1, 1), seed=4)
     part = Partition.build(grid, system.cell, system.pbc)
     wrapped, image = part.wrap(part.geometry.fractional(system.positions))
@@ -59,7 +61,7 @@ def test_images_near_bricks_equal_brute_force(grid, width):
     assert max(abs(mine[k] - want[k]) for k in want) < 1e-12
 
 
-def test_every_pair_within_the_width_is_among_the_images_of_one_brick():
+def test_every_pair_within_the_width_is_among_the_images_of_one_brick(backend):
     """Slab metric is a superset of Euclidean distance: ASE's pairs (i inside the brick) all appear."""
     system = triclinic_nacl(repeat=(2, 1, 1), seed=5)
     width = 6.5
@@ -76,13 +78,54 @@ def test_every_pair_within_the_width_is_among_the_images_of_one_brick():
     assert not [m for m in missing if m not in listed]
 
 
+def _with_kernels(kind: str, monkeypatch, compute):
+    """``compute()`` with the kernel technology ``kind`` ("warp" or "torch")."""
+    monkeypatch.setenv("HALOPIPE_KERNELS", kind)
+    kernel_backend_module.warp_module.cache_clear()
+    pair_kernels.warp_kernel.cache_clear()
+    try:
+        assert (pair_kernels.warp_kernel("images_near_bricks_fill", "_warp_geometry") is not None) == (kind == "warp")
+        return compute()
+    finally:
+        kernel_backend_module.warp_module.cache_clear()
+        pair_kernels.warp_kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "grid, width, pbc", [((2, 1, 2), 9.5, (True, True, True)), ((2, 2, 1), 5.0, (True, False, True)), ((3, 1, 1), 12.0, (False,) * 3)]
+)
+def test_warp_images_and_nearest_images_equal_the_torch_ones_bit_for_bit(monkeypatch, grid, width, pbc):
+    """The halo plan's geometry is the same, in the same order, with either kernel technology (owned images left out too)."""
+    system = triclinic_nacl(repeat=(2, 1, 1), seed=4).replace(pbc=torch.tensor(pbc))
+    lo = hi = None
+    if not all(pbc):
+        frac = Geometry(system.cell, system.pbc).fractional(system.positions)
+        lo, hi = frac.min(dim=0).values, frac.max(dim=0).values
+    part = Partition.build(grid, system.cell, system.pbc, lo, hi)
+    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
+    owner = part.rank_of(part.brick_index(wrapped))
+    g = torch.Generator().manual_seed(0)
+    bricks = torch.stack([torch.randint(0, p, (system.n_atoms,), generator=g) for p in grid], dim=1)
+
+    def geometry():
+        home, outside = part.nearest_image(wrapped, part.brick_index_of_rank(owner))
+        near = part.nearest_image(wrapped, bricks)
+        found = [images_near_bricks(part, wrapped, image, width), images_near_bricks(part, wrapped, image, width, owner, home)]
+        return [home, outside, *near] + [getattr(f, key) for f in found for key in ("atom", "rank", "shift", "distance")]
+
+    warp, eager = _with_kernels("warp", monkeypatch, geometry), _with_kernels("torch", monkeypatch, geometry)
+    assert eager[-4].numel() > 0 and eager[-4].numel() < eager[-8].numel()  # some images found, the owned ones left out
+    for a, b in zip(warp, eager):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def _ase_atoms(system, positions):
     from ase import Atoms
 
     return Atoms(numbers=system.numbers.numpy(), positions=positions, cell=system.cell.numpy(), pbc=system.pbc.numpy())
 
 
-def test_nearest_image_is_the_closest_candidate():
+def test_nearest_image_is_the_closest_candidate(backend):
     system = triclinic_nacl(repeat=(1, 1, 1), seed=6)
     grid = (3, 2, 1)
     part = Partition.build(grid, system.cell, system.pbc)

@@ -20,19 +20,6 @@ from halopipe.neighbors import owned_half_pairs, owned_pairs
 from halopipe.testing import check_model
 
 
-@pytest.fixture(params=["warp", "torch"])
-def backend(request, monkeypatch):
-    """Run a test once with each kernel technology (Warp skipped where it does not load)."""
-    monkeypatch.setenv("HALOPIPE_KERNELS", request.param)
-    kernel_backend_module.warp_module.cache_clear()
-    pair_kernels.warp_kernel.cache_clear()
-    if request.param == "warp" and pair_kernels.warp_kernel("lj_owned_rows") is None:
-        pytest.skip("NVIDIA Warp is not available here")
-    yield request.param
-    kernel_backend_module.warp_module.cache_clear()
-    pair_kernels.warp_kernel.cache_clear()
-
-
 def _argon(repeat=2, seed=3):
     atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((repeat,) * 3)
     atoms.rattle(0.15, seed=seed)

@@ -232,9 +232,10 @@ class ShardedSystem(Domain):
         self.partition = self._build_partition()
         wrapped, image = self.partition.wrap(self.partition.geometry.fractional(self.positions))
         new_owner = self.partition.rank_of(self.partition.brick_index(wrapped))
+        home = None
         if hysteresis and self.n_owned:
             mine = self.partition.brick_index_of_rank(torch.full((self.n_owned,), self.rank, device=wrapped.device))
-            _, outside = self.partition.nearest_image(wrapped, mine)
+            home, outside = self.partition.nearest_image(wrapped, mine)
             new_owner = torch.where(outside <= 0.5 * self.skin, torch.full_like(new_owner, self.rank), new_owner)
         peers = None
         if width is not None:
@@ -243,11 +244,12 @@ class ShardedSystem(Domain):
         # An atom was within skin/2 of its old brick at the last migration; the brick's faces moved by at most shift.
         shift = math.inf if old is None else bounds_shift(old, self.partition)
         near = peers is not None and 0.5 * self.skin + moved + shift <= reach
-        self._migrate(new_owner, peers if near else None, copy=old is None)
+        kept = not self._migrate(new_owner, peers if near else None, copy=old is None)
         self._ref = self.positions.detach().clone()
         self._ref_cell = self.cell.detach().clone()
         if width is not None:
-            self._build_plan(width, peers)
+            # Where the owned rows stayed as they were, their wrapping and nearest images to this brick still hold.
+            self._build_plan(width, peers, (wrapped, image, home) if kept and home is not None else None)
 
     def _build_partition(self) -> Partition:
         geo_pbc = self.pbc.cpu()
@@ -259,11 +261,15 @@ class ShardedSystem(Domain):
             hi = self.comm.all_reduce(frac.max(dim=0).values if frac.shape[0] else -big, "max")
         return Partition.build(self.grid, self.cell, self.pbc, lo, hi)
 
-    def _build_plan(self, width: float, peers: list[int]) -> None:
+    def _build_plan(self, width: float, peers: list[int], placed: tuple | None = None) -> None:
+        """The halo plan for ``width``; ``placed``: the owned rows' ``(wrapped, image, home)`` when already known."""
         part = self.partition
-        wrapped, image = part.wrap(part.geometry.fractional(self.positions))
-        ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int64, device=wrapped.device)
-        home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(ranks))
+        ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int64, device=self.positions.device)
+        if placed is None:
+            wrapped, image = part.wrap(part.geometry.fractional(self.positions))
+            home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(ranks))
+        else:
+            wrapped, image, home = placed
         self.owned_shift = home - image
         images = images_near_bricks(part, wrapped, image, width + skin_margin(self.skin), own_rank=ranks, own_image=home)
         self.plan = HaloPlan(self.comm, images, self.numbers, self.ids, peers)
@@ -286,8 +292,8 @@ class ShardedSystem(Domain):
         return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width))
 
     # ------------------------------------------------------------ migration
-    def _migrate(self, dest: torch.Tensor, peers: list[int] | None, copy: bool = False) -> None:
-        """Send each owned atom to rank ``dest``; keep atoms sorted by global id.
+    def _migrate(self, dest: torch.Tensor, peers: list[int] | None, copy: bool = False) -> bool:
+        """Send each owned atom to rank ``dest``; keep atoms sorted by global id. Returns whether the arrays changed.
 
         ``peers``: the ranks that may send or receive atoms (all ranks when
         ``None``). Where nobody leaves or arrives (always so on one rank) the
@@ -299,7 +305,7 @@ class ShardedSystem(Domain):
         send_counts = dict(zip(ranks.tolist(), counts.tolist()))
         recv_counts = self.comm.exchange_counts(send_counts, peers)
         if not copy and set(send_counts) | set(recv_counts) <= {self.rank}:
-            return
+            return False
         floats, ints = self._pack()
         received = []
         for data, dtype in ((floats[order], floats.dtype), (ints[order], torch.int64)):
@@ -308,6 +314,7 @@ class ShardedSystem(Domain):
             got = self.comm.exchange(sends, shapes, dtype, data.device)
             received.append(torch.cat([got[s] for s in sorted(got)]) if got else data[:0])
         self._unpack(*received)
+        return True
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         n, dtype = self.n_owned, self.positions.dtype

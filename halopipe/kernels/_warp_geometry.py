@@ -1,0 +1,137 @@
+"""Warp sources of the halo geometry (imported only when Warp loads): the images of atoms near bricks.
+
+One thread per atom walks its candidate (brick, lattice image) combinations
+axis by axis, entering the next axis only where the current one is within the
+width, so it visits the few candidates an atom really has. Two passes, as the
+pair lists: one counts each atom's images, a prefix sum makes the offsets, the
+other writes them. The order (by atom, then brick and image along axis 0, 1,
+2) and the arithmetic are those of the torch version in
+:func:`halopipe.geometry.images_near_bricks`, so both give the same images in
+the same order, bit for bit.
+"""
+
+from __future__ import annotations
+
+import warp as wp
+
+# Index kernels have no gradients; skipping Warp's adjoints halves build time.
+wp.set_module_options({"enable_backward": False})
+
+
+@wp.func
+def _excess(x: wp.float64, lo: wp.float64, hi: wp.float64, height: wp.float64):
+    """Distance (Å) of fractional ``x`` outside the slab ``[lo, hi]`` along an axis of ``height`` Å per unit; 0 inside (and for NaN)."""
+    e = wp.max(lo - x, x - hi)
+    if not (e > wp.float64(0.0)):
+        e = wp.float64(0.0)
+    return e * height
+
+
+def _images_near_bricks(write: bool):
+    """Count (``write`` False) or write each atom's images within ``width`` of some brick, from ``offsets[atom]``.
+
+    ``reach[a]`` bounds the lattice images ``-reach[a] .. reach[a]`` along axis
+    ``a`` (0 where it is not periodic). With ``exclude``, the image at which
+    an atom is an owned row of its owner's brick (``own_rank``, ``own_image``)
+    is left out.
+    """
+
+    @wp.kernel
+    def images(
+        wrapped: wp.array(dtype=wp.vec3d),
+        image: wp.array(dtype=wp.vec3i),
+        bounds0: wp.array(dtype=wp.float64),
+        bounds1: wp.array(dtype=wp.float64),
+        bounds2: wp.array(dtype=wp.float64),
+        grid: wp.vec3i,
+        reach: wp.vec3i,
+        heights: wp.vec3d,
+        width: wp.float64,
+        exclude: wp.int32,
+        own_rank: wp.array(dtype=wp.int32),
+        own_image: wp.array(dtype=wp.vec3i),
+        offsets: wp.array(dtype=wp.int32),
+        atom_out: wp.array(dtype=wp.int64),
+        rank_out: wp.array(dtype=wp.int64),
+        shift_out: wp.array(dtype=wp.vec3i),
+        distance_out: wp.array(dtype=wp.float64),
+        counts: wp.array(dtype=wp.int32),
+    ):
+        i = wp.tid()
+        w = wrapped[i]
+        n = wp.int32(0)
+        if wp.static(write):
+            n = offsets[i]
+        for b0 in range(grid[0]):
+            for s0 in range(-reach[0], reach[0] + 1):
+                e0 = _excess(w[0] + wp.float64(s0), bounds0[b0], bounds0[b0 + 1], heights[0])
+                if e0 <= width:
+                    for b1 in range(grid[1]):
+                        for s1 in range(-reach[1], reach[1] + 1):
+                            e1 = _excess(w[1] + wp.float64(s1), bounds1[b1], bounds1[b1 + 1], heights[1])
+                            if e1 <= width:
+                                for b2 in range(grid[2]):
+                                    for s2 in range(-reach[2], reach[2] + 1):
+                                        e2 = _excess(w[2] + wp.float64(s2), bounds2[b2], bounds2[b2 + 1], heights[2])
+                                        if e2 <= width:
+                                            rank = (b0 * grid[1] + b1) * grid[2] + b2
+                                            keep = True
+                                            if exclude != 0:
+                                                home = own_image[i]
+                                                if rank == own_rank[i] and s0 == home[0] and s1 == home[1] and s2 == home[2]:
+                                                    keep = False
+                                            if keep:
+                                                if wp.static(write):
+                                                    atom_out[n] = wp.int64(i)
+                                                    rank_out[n] = wp.int64(rank)
+                                                    shift_out[n] = wp.vec3i(s0, s1, s2) - image[i]
+                                                    distance_out[n] = wp.max(wp.max(e0, e1), e2)
+                                                n += 1
+        if not wp.static(write):
+            counts[i] = n
+
+    return images
+
+
+images_near_bricks_count = _images_near_bricks(write=False)
+images_near_bricks_fill = _images_near_bricks(write=True)
+
+
+@wp.func
+def _nearest_along(x: wp.float64, lo: wp.float64, hi: wp.float64, height: wp.float64, periodic: wp.int32):
+    """(image, excess) of the image of ``x`` among 0, -1, +1 (0 only where not periodic) nearest the slab; the first on ties."""
+    best = wp.float64(0.0)
+    least = _excess(x, lo, hi, height)
+    if periodic != 0:
+        below = _excess(x + wp.float64(-1.0), lo, hi, height)
+        if below < least:
+            best = wp.float64(-1.0)
+            least = below
+        above = _excess(x + wp.float64(1.0), lo, hi, height)
+        if above < least:
+            best = wp.float64(1.0)
+            least = above
+    return wp.vec2d(best, least)
+
+
+@wp.kernel
+def nearest_image(
+    wrapped: wp.array(dtype=wp.vec3d),
+    brick: wp.array(dtype=wp.vec3i),
+    bounds0: wp.array(dtype=wp.float64),
+    bounds1: wp.array(dtype=wp.float64),
+    bounds2: wp.array(dtype=wp.float64),
+    periodic: wp.vec3i,
+    heights: wp.vec3d,
+    images: wp.array(dtype=wp.vec3i),
+    distance: wp.array(dtype=wp.float64),
+):
+    """Per atom, the periodic image nearest its brick and the slab distance outside it (the torch version's candidates and order)."""
+    i = wp.tid()
+    w = wrapped[i]
+    b = brick[i]
+    n0 = _nearest_along(w[0], bounds0[b[0]], bounds0[b[0] + 1], heights[0], periodic[0])
+    n1 = _nearest_along(w[1], bounds1[b[1]], bounds1[b[1] + 1], heights[1], periodic[1])
+    n2 = _nearest_along(w[2], bounds2[b[2]], bounds2[b[2] + 1], heights[2], periodic[2])
+    images[i] = wp.vec3i(wp.int32(n0[0]), wp.int32(n1[0]), wp.int32(n2[0]))
+    distance[i] = wp.max(wp.max(wp.max(wp.float64(0.0), n0[1]), n1[1]), n2[1])
