@@ -15,6 +15,18 @@ import warp as wp
 wp.set_module_options({"enable_backward": False})
 
 
+@wp.func
+def _lj_half_energy(inv6: wp.float64, p: wp.vec3d):
+    """Half the pair energy ``(a12 / r^12 - b6 / r^6 - shift) / 2`` from ``inv6 = 1 / r^6`` and ``p = (a12, b6, shift)``."""
+    return wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
+
+
+@wp.func
+def _lj_force_over_r(inv2: wp.float64, inv6: wp.float64, p: wp.vec3d):
+    """``-(du/dr) / r``: the pair force on the partner is this times ``r_b - r_a``."""
+    return (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2
+
+
 def _lj_owned_rows(single_type: bool):
     """Lennard-Jones over a half list grouped by owned row: one thread per owned row ``a``.
 
@@ -55,11 +67,11 @@ def _lj_owned_rows(single_type: bool):
                     p = params[ptype[k]]
                 inv2 = wp.float64(1.0) / r2
                 inv6 = inv2 * inv2 * inv2
-                half = wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
+                half = _lj_half_energy(inv6, p)
                 ea += half
                 wp.atomic_add(energies, b, half)
                 c = wp.float64(0.5) * (wa + weight[b])
-                f = (c * (wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
+                f = (c * _lj_force_over_r(inv2, inv6, p)) * d
                 wp.atomic_add(forces, b, f)
                 fa -= f
         wp.atomic_add(energies, a, ea)
@@ -115,11 +127,11 @@ def _lj_owned_complete(single_type: bool, energy: bool, virial: bool):
                 inv2 = wp.float64(1.0) / r2
                 inv6 = inv2 * inv2 * inv2
                 if wp.static(energy):
-                    half = wp.float64(0.5) * ((p[0] * inv6 - p[1]) * inv6 - p[2])
+                    half = _lj_half_energy(inv6, p)
                     ea += half
                     if b < n_owned:
                         wp.atomic_add(energies, b, half)
-                f = ((wp.float64(12.0) * p[0] * inv6 - wp.float64(6.0) * p[1]) * inv6 * inv2) * d
+                f = _lj_force_over_r(inv2, inv6, p) * d
                 fa -= f
                 if b < n_owned:
                     wp.atomic_add(forces, b, f)

@@ -77,9 +77,9 @@ def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weigh
     if not half.n_pairs:
         return energies, forces
     n_owned = int(half.first.max()) + 1 if half.start is None else half.start.numel() - 1
-    kernels = {single: warp_kernel("lj_owned_rows" + ("_single_type" if single else "")) for single in (False, True)}
     single, inputs = _kernel_inputs(rows, half, tables, n_owned)
-    kernel = kernels[single] if rows.dtype == torch.float64 else None  # Warp kernels are float64; float32 runs eager
+    # Warp kernels are float64; float32 runs eager
+    kernel = warp_kernel("lj_owned_rows" + ("_single_type" if single else "")) if rows.dtype == torch.float64 else None
     if kernel is None:
         _torch_kernel(rows, half, tables, weight, energies, forces)
     else:
