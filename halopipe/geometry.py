@@ -176,7 +176,7 @@ class Partition:
         inputs = [
             wrapped.to(torch.float64).contiguous(),
             brick.to(device=device, dtype=torch.int32).contiguous(),
-            *[self.bounds[a].to(device=device, dtype=torch.float64).contiguous() for a in range(3)],
+            *_bounds_on(self, device),
             wp.vec3i(*[int(bool(p)) for p in self.geometry.pbc]),
             wp.vec3d(*[float(h) for h in self.geometry.heights]),
         ]
@@ -270,6 +270,11 @@ def images_near_bricks(
     return ImageSet(atom=atom, rank=rank, shift=shift, distance=dist)
 
 
+def _bounds_on(partition: Partition, device: torch.device) -> list[torch.Tensor]:
+    """The brick bounds along each axis, float64 on ``device``, as the Warp geometry kernels read them."""
+    return [partition.bounds[a].to(device=device, dtype=torch.float64).contiguous() for a in range(3)]
+
+
 def _image_reach(partition: Partition, width: float) -> list[int]:
     """Per axis, how many lattice images either way can lie within ``width`` of a brick (0 where not periodic)."""
     return [int(math.ceil(width / float(h))) + 1 if bool(p) else 0 for h, p in zip(partition.geometry.heights, partition.geometry.pbc)]
@@ -292,7 +297,7 @@ def _warp_images_near_bricks(
     inputs = [
         wrapped.to(torch.float64).contiguous(),
         as32(image),
-        *[partition.bounds[a].to(device=device, dtype=torch.float64).contiguous() for a in range(3)],
+        *_bounds_on(partition, device),
         wp.vec3i(*partition.grid),
         wp.vec3i(*_image_reach(partition, width)),
         wp.vec3d(*[float(h) for h in partition.geometry.heights]),
@@ -304,7 +309,7 @@ def _warp_images_near_bricks(
     counts = torch.zeros(n, dtype=torch.int32, device=device)
     int64, int32 = torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int32, device=device)
     nothing = [int32, int64, int64, torch.empty(0, 3, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.float64, device=device)]
-    launch(warp_kernel("images_near_bricks_count", _GEOMETRY), n, device, inputs, [*nothing[:5], counts])
+    launch(warp_kernel("images_near_bricks_count", _GEOMETRY), n, device, inputs, [*nothing, counts])
     offsets = torch.zeros(n + 1, dtype=torch.int32, device=device)
     torch.cumsum(counts, 0, out=offsets[1:])
     total = int(offsets[-1])

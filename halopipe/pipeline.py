@@ -428,7 +428,7 @@ def evaluate(
     domain.prepare(pipeline.halo, problem)
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
     forces = torch.zeros(n, 3, dtype=dtype, device=device)
-    energies = torch.zeros(n, dtype=dtype, device=device)
+    energies = torch.zeros(n, dtype=dtype, device=device) if energy else None
     virial = torch.zeros(3, 3, dtype=dtype, device=device)
     local_energy: list[torch.Tensor] = []
     produced: dict[str, torch.Tensor] = {}
@@ -571,6 +571,5 @@ def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, 
                 forces += domain.fold_ghosts(out.forces[n:], width)
             if stress:
                 virial += out.virial
-            if energy:
-                per_atom_energies.append(out.energies)
+            per_atom_energies.append(out.energies)  # None where not needed; evaluate reads them only with energy
     return forces, virial, per_atom_energies, {}
