@@ -141,3 +141,17 @@ def mesh_kernels(order: int):
         gradients[i] = wp.vec3d(g0, g1, g2)
 
     return spread, gather
+
+
+def every_kernel() -> list:
+    """Every kernel this module builds on demand: ``(spread, gather)`` of each order 1..``MAX_ORDER``.
+
+    The kernels live in per-order modules made by :func:`mesh_kernels`, so this module's own Warp module holds
+    none; ahead-of-time compilation (``tests/test_warp_cuda_compile.py``) reaches them through this list.
+
+    Returns
+    -------
+    list
+        The Warp kernels, two per order, in order.
+    """
+    return [kernel for order in range(1, MAX_ORDER + 1) for kernel in mesh_kernels(order)]
