@@ -15,10 +15,23 @@ from dataclasses import dataclass
 
 import torch
 
+from ..geometry import Geometry
 from .backend import warp_module
 from .pairs import HalfList, launch, owned_weight, uniform_scale, warp_kernel
 
-__all__ = ["D3Tables", "d3_kernel_available", "d3_two_body_autograd", "d3_coordination_numbers", "ghost_pairs_once"]
+__all__ = [
+    "D3Tables",
+    "LatticeCells",
+    "d3_coordination_numbers",
+    "d3_kernel_available",
+    "d3_two_body_autograd",
+    "ghost_pairs_once",
+    "lattice_cells",
+    "lattice_cn_chain",
+    "lattice_coordination_numbers",
+    "lattice_kernel_available",
+    "lattice_two_body",
+]
 
 
 @dataclass(frozen=True)
@@ -148,3 +161,200 @@ class _CoordinationNumbers(torch.autograd.Function):
 def d3_coordination_numbers(rows: torch.Tensor, rcov: torch.Tensor, half: HalfList, k1: float, cutoff: float, n_owned: int) -> torch.Tensor:
     """Owned rows' coordination numbers (n_owned,), differentiable in ``rows``; ``rcov`` per row (R,)."""
     return _CoordinationNumbers.apply(rows, rcov, half, k1, cutoff, n_owned)
+
+
+# ------------------------------------------------------------------------------ lattice sums
+@dataclass(frozen=True)
+class LatticeCells:
+    """Every atom of a system wrapped into its cell and binned, for lattice sums within one cutoff.
+
+    ``positions``/``frac``: wrapped Cartesian and binning (working-basis
+    fractional) coordinates; ``lattice``: the three cell rows as tuples;
+    ``unit_c``, ``plane_u1``, ``plane_u2``: the unit ``c`` and an orthonormal
+    basis of the periodic span of ``b`` and ``c`` (zero vectors for open
+    axes), which bound each axis' image range; bins of about cutoff / 3 per
+    axis (whole cell periods on periodic axes, the atoms' extent on open ones),
+    ``bin_start`` / ``bin_atoms`` in CSR form.
+    """
+
+    positions: torch.Tensor
+    frac: torch.Tensor
+    lattice: tuple
+    periodic: tuple
+    unit_c: tuple
+    plane_u1: tuple
+    plane_u2: tuple
+    origin: tuple
+    span: tuple
+    half_width: tuple
+    nb: tuple
+    bin_start: torch.Tensor
+    bin_atoms: torch.Tensor
+    cutoff: float
+
+    def kernel_inputs(self) -> list:
+        wp = warp_module()
+        vec = lambda x: wp.vec3d(*x)  # noqa: E731
+        return [
+            self.positions,
+            self.frac,
+            *(vec(row) for row in self.lattice),
+            wp.vec3i(*self.periodic),
+            vec(self.unit_c),
+            vec(self.plane_u1),
+            vec(self.plane_u2),
+            vec(self.origin),
+            vec(self.span),
+            vec(self.half_width),
+            wp.vec3i(*self.nb),
+            self.bin_start,
+            self.bin_atoms,
+            self.cutoff**2,
+        ]
+
+
+BINS_PER_CUTOFF = 3  # bins of cutoff / 3: a thread scans about (2 + 1/3)^3 cutoff^3 of candidates
+MAX_BINS_PER_AXIS = 64
+
+
+def lattice_cells(positions: torch.Tensor, cell: torch.Tensor, pbc: torch.Tensor, cutoff: float) -> LatticeCells:
+    """Wrap ``positions`` (all atoms, float64) into ``cell`` on its periodic axes and bin them for ``cutoff``."""
+    geometry = Geometry(cell, pbc)
+    basis, inverse = geometry.basis.to(positions), geometry.inverse.to(positions)
+    periodic = [bool(p) for p in geometry.pbc.tolist()]
+    frac = positions @ inverse
+    mask = torch.tensor(periodic, device=positions.device)
+    wrap = torch.where(mask, torch.floor(frac), torch.zeros_like(frac))
+    frac = frac - wrap
+    wrapped = positions - wrap @ basis
+    origin, span, nb = [], [], []
+    heights = geometry.heights.tolist()
+    for a in range(3):
+        if periodic[a] or frac.shape[0] == 0:
+            lo, width = 0.0, 1.0
+        else:
+            lo = float(frac[:, a].min())
+            width = max(float(frac[:, a].max()) - lo, 1e-9)
+        origin.append(lo)
+        span.append(width)
+        nb.append(int(min(max(width * heights[a] * BINS_PER_CUTOFF // cutoff, 1), MAX_BINS_PER_AXIS)))
+    scale = torch.tensor([n / w for n, w in zip(nb, span)], dtype=frac.dtype, device=frac.device)
+    index = torch.floor((frac - torch.tensor(origin, dtype=frac.dtype, device=frac.device)) * scale).to(torch.int64)
+    index = torch.minimum(index.clamp_min(0), torch.tensor(nb, device=frac.device) - 1)  # rounding at the far face
+    linear = (index[:, 0] * nb[1] + index[:, 1]) * nb[2] + index[:, 2]
+    order = torch.argsort(linear, stable=True)
+    start = torch.zeros(nb[0] * nb[1] * nb[2] + 1, dtype=torch.int64, device=frac.device)
+    start[1:] = torch.cumsum(torch.bincount(linear, minlength=start.numel() - 1), 0)
+    lattice = cell.detach().to(torch.float64).cpu()
+    unit_c = lattice[2] / lattice[2].norm() if periodic[2] else torch.zeros(3, dtype=torch.float64)
+    plane = [lattice[a] for a in (1, 2) if periodic[a]]
+    basis_bc = torch.linalg.qr(torch.stack(plane).T).Q.T if plane else torch.zeros(0, 3, dtype=torch.float64)
+    u1, u2 = [basis_bc[k] if k < basis_bc.shape[0] else torch.zeros(3, dtype=torch.float64) for k in (0, 1)]
+    half_width = [(cutoff / h) * (1.0 + 1e-12) + 1e-12 for h in heights]  # fractional reach of the sphere per axis
+    return LatticeCells(
+        positions=wrapped.contiguous(),
+        frac=frac.contiguous(),
+        lattice=tuple(tuple(row) for row in lattice.tolist()),
+        periodic=tuple(int(p) for p in periodic),
+        unit_c=tuple(unit_c.tolist()),
+        plane_u1=tuple(u1.tolist()),
+        plane_u2=tuple(u2.tolist()),
+        origin=tuple(origin),
+        span=tuple(span),
+        half_width=tuple(half_width),
+        nb=tuple(nb),
+        bin_start=start.to(torch.int32),
+        bin_atoms=order.to(torch.int32),
+        cutoff=float(cutoff),
+    )
+
+
+def lattice_kernel_available(dtype: torch.dtype) -> bool:
+    return dtype == torch.float64 and warp_kernel("lattice_bj", "_warp_d3") is not None
+
+
+def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species: torch.Tensor, inputs: dict, virial: bool) -> dict:
+    """Launch one lattice-sum kernel over the ``owned`` atoms; returns its outputs (``vir`` summed, or None)."""
+    wp = warp_module()
+    n, dtype, device = cells.positions.shape[0], cells.positions.dtype, cells.positions.device
+    empty = torch.zeros(0, dtype=dtype, device=device)
+    ref_weights = inputs.get("ref_weights", torch.zeros(0, 1, dtype=dtype, device=device))
+    v = inputs.get("v", torch.zeros(0, 1, 1, dtype=dtype, device=device))
+    outputs = {
+        "cn": torch.zeros(n if "cn" in inputs["want"] else 0, dtype=dtype, device=device),
+        "energies": torch.zeros(n if "energies" in inputs["want"] else 0, dtype=dtype, device=device),
+        "forces": torch.zeros(n if "forces" in inputs["want"] else 0, 3, dtype=dtype, device=device),
+        "u": torch.zeros_like(v) if "u" in inputs["want"] else torch.zeros(0, 1, 1, dtype=dtype, device=device),
+        "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
+    }
+    args = [owned, *cells.kernel_inputs(), species]
+    args += [inputs.get("rcov", empty), float(inputs.get("k1", 0.0)), inputs.get("cn_grad", empty)]
+    args += [wp.from_torch(ref_weights.contiguous()), wp.from_torch(v.contiguous())]
+    args += [inputs.get(key, empty) for key in ("c8_over_c6", "q6", "q8")]
+    args += [int(inputs.get("n_species", 1)), float(inputs.get("s6", 0.0)), float(inputs.get("s8", 0.0))]
+    outs = [
+        outputs["cn"],
+        outputs["energies"],
+        outputs["forces"],
+        wp.from_torch(outputs["u"]),
+        wp.from_torch(outputs["vir"], dtype=wp.mat33d),
+    ]
+    if owned.numel():
+        launch(warp_kernel(name, "_warp_d3"), owned.numel(), device, args, outs)
+    outputs["vir"] = outputs["vir"].sum(dim=0) if virial else None
+    return outputs
+
+
+def lattice_coordination_numbers(owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float) -> torch.Tensor:
+    """This rank's share of every atom's D3 coordination number, (N,): the pairs its ``owned`` threads take.
+
+    Summed over ranks (each pair is taken once), it is the coordination number of every atom.
+    """
+    species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=rcov.device)
+    return _lattice_launch("lattice_cn_count", owned, cells, species, {"rcov": rcov, "k1": k1, "want": ("cn",)}, False)["cn"]
+
+
+def lattice_cn_chain(
+    owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float, cn_grad: torch.Tensor, virial: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forces ``-dE/dr`` (N, 3) through the coordination numbers, from ``cn_grad = dE/dCN`` of every atom, and ``sum d (x) dE/dd``.
+
+    This rank's share: the pairs its ``owned`` threads take (forces land on both ends).
+    """
+    species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=rcov.device)
+    inputs = {"rcov": rcov, "k1": k1, "cn_grad": cn_grad.contiguous(), "want": ("forces",)}
+    name = "lattice_cn_chain_virial" if virial else "lattice_cn_chain"
+    out = _lattice_launch(name, owned, cells, species, inputs, virial)
+    return out["forces"], out["vir"]
+
+
+def lattice_two_body(
+    owned: torch.Tensor,
+    cells: LatticeCells,
+    species: torch.Tensor,
+    ref_weights: torch.Tensor,
+    v: torch.Tensor,
+    tables: D3Tables,
+    zero_damping: bool,
+    virial: bool,
+) -> dict:
+    """This rank's share of the two-body D3 sum over lattice images: ``energies`` (N,), ``forces`` (N, 3), ``u`` and ``vir``.
+
+    ``v[i, s] = w_i^T C6ref(Z_i, s)`` (N, S, n_ref); ``u[i, s]`` is the sum
+    of ``dE/dC6_ij w_j`` over partners ``j`` of species ``s``, so
+    ``dE/dw_i = sum_s C6ref(Z_i, s) u[i, s]``. ``tables.r0_6``/``r0_8`` hold
+    ``R0^6``/``R0^8`` (BJ) or ``(rs6 R0)^2``/``(rs8 R0)^2`` (zero damping).
+    """
+    inputs = {
+        "ref_weights": ref_weights,
+        "v": v,
+        "c8_over_c6": tables.c8_over_c6,
+        "q6": tables.r0_6,
+        "q8": tables.r0_8,
+        "n_species": tables.n_species,
+        "s6": tables.s6,
+        "s8": tables.s8,
+        "want": ("energies", "forces", "u"),
+    }
+    name = ("lattice_zero" if zero_damping else "lattice_bj") + ("_virial" if virial else "")
+    return _lattice_launch(name, owned, cells, species.to(torch.int32).contiguous(), inputs, virial)

@@ -54,8 +54,19 @@ import torch
 from ase import units
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels.dftd3 import D3Tables, d3_coordination_numbers, d3_kernel_available, d3_two_body_autograd, ghost_pairs_once
-from ..kernels.pairs import HalfList
+from ..kernels.dftd3 import (
+    D3Tables,
+    d3_coordination_numbers,
+    d3_kernel_available,
+    d3_two_body_autograd,
+    ghost_pairs_once,
+    lattice_cells,
+    lattice_cn_chain,
+    lattice_coordination_numbers,
+    lattice_kernel_available,
+    lattice_two_body,
+)
+from ..kernels.pairs import HalfList, uniform_scale
 from .base import LocalView, Model, ModelOutput, check_positive_length, direct_by_local_autograd
 
 __all__ = ["DEFAULT_ATM_CUTOFF", "DEFAULT_CN_CUTOFF", "DEFAULT_CUTOFF", "DFTD3", "known_functionals"]
@@ -211,6 +222,40 @@ def _chunks_of_triples(centres: torch.Tensor, n_owned: int, limit: int) -> list[
     return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
 
 
+class _LatticeSum(torch.autograd.Function):
+    """Owned D3 energies by lattice sums, differentiable in the owned rows and the cell (for the strain).
+
+    The forward computes the complete forces on the owned atoms and this
+    rank's virial share. Both answer the gradient of the total energy (the
+    usual, uniform incoming gradient): the rows get ``-forces``, and the cell
+    the rest of this rank's strain derivative, ``cell^T G = -virial + rows^T
+    forces``, so that ``rows^T dE/drows + cell^T G`` sums over ranks to
+    ``dE/d(strain)``.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, cell, model, view):
+        energies, forces, virial = model._lattice_terms(view, rows.detach(), cell.detach(), cell.requires_grad)
+        ctx.save_for_backward(rows.detach().to(forces.dtype), cell.detach().to(forces.dtype), forces)
+        ctx.virial = virial
+        return energies
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        rows, cell, forces = ctx.saved_tensors
+        scale = uniform_scale(grad)
+        if scale is None:
+            raise RuntimeError(
+                "DFTD3: lattice sums differentiate the total energy only, not a weighted sum of per-atom energies; "
+                "use DFTD3(..., s9=...) with ATM or HALOPIPE_KERNELS=torch for the per-row path"
+            )
+        grad_cell = None
+        if ctx.needs_input_grad[1]:
+            grad_cell = scale * torch.linalg.solve(cell.T, -ctx.virial + rows.T @ forces)
+        return (-scale * forces).to(grad.dtype), None if grad_cell is None else grad_cell.to(grad.dtype), None, None
+
+
 class DFTD3(Model):
     """DFT-D3 dispersion energy with Becke-Johnson or zero damping.
 
@@ -268,7 +313,6 @@ class DFTD3(Model):
         self.functional, self.damping, self.params = str(functional), damping, p
         self.s9 = float(s9)
         self.disp2_cutoff, self.cn_cutoff, self.atm_cutoff = float(cutoff), float(cn_cutoff), float(atm_cutoff)
-        self.cutoff = max(self.disp2_cutoff, self.cn_cutoff, self.atm_cutoff if self.s9 != 0.0 else 0.0)
         self._half: tuple | None = None  # (view pairs, HalfList) of the last rebuild, compiled path
 
         d = _reference()
@@ -288,9 +332,29 @@ class DFTD3(Model):
             self.register_buffer(name, torch.as_tensor(value), persistent=False)
 
     @property
+    def lattice(self) -> bool:
+        """Lattice sums (no ATM, Warp available): periodic images are summed in the kernels, never rows of the view."""
+        return self.s9 == 0.0 and lattice_kernel_available(torch.float64)
+
+    @property
+    def interaction_cutoff(self) -> float:
+        """The largest distance any of the terms reaches, Å."""
+        return max(self.disp2_cutoff, self.cn_cutoff, self.atm_cutoff if self.s9 != 0.0 else 0.0)
+
+    @property
+    def cutoff(self) -> float:
+        """The view's pair list and halo: none for lattice sums, else :attr:`interaction_cutoff`."""
+        return 0.0 if self.lattice else self.interaction_cutoff
+
+    @property
+    def ghost_forces(self) -> bool:
+        """Lattice sums return complete forces on the owned atoms; the halo path folds its ghost rows' forces home."""
+        return not self.lattice
+
+    @property
     def half_list(self) -> bool:
-        """Compiled path (BJ, no ATM, Warp available): the view brings a half list and kernels do the pair work."""
-        return self.damping == "bj" and self.s9 == 0.0 and d3_kernel_available(torch.float64)
+        """Halo path with compiled kernels (BJ, no ATM, Warp available): the view brings a half list."""
+        return not self.lattice and self.damping == "bj" and self.s9 == 0.0 and d3_kernel_available(torch.float64)
 
     def extra_repr(self) -> str:
         return (
@@ -312,14 +376,22 @@ class DFTD3(Model):
         return -(p["s6"] * c6 * f6 / r**6 + p["s8"] * c8 * f8 / r**8)
 
     def _kernel_tables(self, c6_of: _C6, dtype: torch.dtype) -> D3Tables:
-        """Per species pair tables of the compiled BJ kernel (the same quantities as :meth:`_pair_energy`)."""
+        """Per species pair tables of the compiled kernels (the same quantities as :meth:`_pair_energy`).
+
+        ``r0_6``/``r0_8``: ``R0^6``/``R0^8`` (BJ), or ``(rs6 R0AB)^2``/``(rs8 R0AB)^2`` (zero damping, lattice kernels).
+        """
         p = self.params
         q = self.q[c6_of.species].to(dtype)
         qq = 3.0 * q[:, None] * q[None, :]
-        r0 = p["a1"] * torch.sqrt(qq) + p["a2"] * units.Bohr
+        if self.damping == "bj":
+            r0 = p["a1"] * torch.sqrt(qq) + p["a2"] * units.Bohr
+            q6, q8 = r0**6, r0**8
+        else:
+            r0 = self.r0ab[c6_of.species][:, c6_of.species].to(dtype)
+            q6, q8 = (p["rs6"] * r0) ** 2, (p["rs8"] * r0) ** 2
         flat = lambda x: x.reshape(-1).contiguous()  # noqa: E731
         n_species = int(c6_of.species.numel())
-        return D3Tables(flat(c6_of.table), flat(qq), flat(r0**6), flat(r0**8), n_species, c6_of.n_ref, p["s6"], p["s8"], self.disp2_cutoff)
+        return D3Tables(flat(c6_of.table), flat(qq), flat(q6), flat(q8), n_species, c6_of.n_ref, p["s6"], p["s8"], self.disp2_cutoff)
 
     def _two_body(self, view: LocalView, c6_of: _C6, energies: torch.Tensor) -> torch.Tensor:
         if self.damping == "bj" and d3_kernel_available(view.positions.dtype):
@@ -376,9 +448,58 @@ class DFTD3(Model):
             raise ValueError(f"DFTD3: no D3 reference data for atomic number {z}; the tables cover Z = 1..{MAX_Z} (H..Lr)")
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
+        if self.lattice:
+            self._check_numbers(view.numbers)
+            rows, dtype = view.positions[: view.n_owned], view.positions.dtype
+            if direct:
+                energies, forces, virial = self._lattice_terms(view, rows.detach(), view.cell.detach(), view.need_virial)
+                return ModelOutput(
+                    energies=energies.to(dtype), forces=forces.to(dtype), virial=None if virial is None else virial.to(dtype)
+                )
+            return ModelOutput(energies=_LatticeSum.apply(rows, view.cell, self, view).to(dtype))
         if direct:
             return direct_by_local_autograd(self._energies, view)
         return ModelOutput(energies=self._energies(view))
+
+    @torch.no_grad()
+    def _lattice_terms(self, view: LocalView, rows: torch.Tensor, cell: torch.Tensor, virial: bool):
+        """Owned energies, complete owned forces and this rank's virial share (or None) by lattice sums, in float64.
+
+        Every rank holds every atom's position (one global sum of N rows, not
+        a ghost row per image), its threads take half of its owned atoms'
+        pairs (images summed in the kernel), and three more global sums of N
+        values bring the coordination numbers, ``dE/dCN`` and the pair
+        forces and energies, which land on both ends of each pair, to the owners.
+        """
+        f64, n = torch.float64, view.n_owned
+        owned = view.ids[:n]
+        mine = torch.cat([rows.to(f64), view.numbers[:n, None].to(f64)], dim=1)
+        packed = view.global_sum(mine.new_zeros(view.n_total, 4).index_copy(0, owned, mine))
+        positions, numbers = packed[:, :3], packed[:, 3].round().to(torch.int64)
+        cell = cell.to(f64)
+        threads = owned.to(torch.int32).contiguous()
+        rcov = self.rcov[numbers].to(f64).contiguous()
+        cn_cells = lattice_cells(positions, cell, view.pbc, self.cn_cutoff)
+        cn = view.global_sum(lattice_coordination_numbers(threads, cn_cells, rcov, K1)).requires_grad_(True)
+        with torch.enable_grad():  # only for dw/dCN, per atom
+            c6_of = _C6(numbers, cn, self.c6ref, self.ref_cn, self.n_ref)
+        pair_cells = lattice_cells(positions, cell, view.pbc, self.disp2_cutoff)
+        tables = self._kernel_tables(c6_of, f64)
+        two = lattice_two_body(threads, pair_cells, c6_of.sidx, c6_of.w.detach(), c6_of.v.detach(), tables, self.damping == "zero", virial)
+        (cn_grad,) = torch.autograd.grad(c6_of.w, cn, self._weight_gradient(c6_of, two["u"]))
+        cn_grad = view.global_sum(cn_grad)
+        chain_forces, chain_virial = lattice_cn_chain(threads, cn_cells, rcov, K1, cn_grad, virial)
+        total = view.global_sum(torch.cat([two["forces"] + chain_forces, two["energies"][:, None]], dim=1))[owned]
+        return total[:, 3], total[:, :3], None if not virial else -(two["vir"] + chain_virial)
+
+    @staticmethod
+    def _weight_gradient(c6_of: _C6, u: torch.Tensor) -> torch.Tensor:
+        """``dE/dw_i = sum_s C6ref(Z_i, s) u[i, s]`` (N, n_ref), one contraction per species present."""
+        grad = torch.zeros_like(c6_of.w.detach())
+        for s in range(c6_of.species.numel()):  # a loop over species present, not atoms
+            rows = (c6_of.sidx == s).nonzero().squeeze(1)
+            grad[rows] = torch.einsum("rtc,tbc->rb", u[rows], c6_of.table[s])
+        return grad
 
     def _energies(self, view: LocalView) -> torch.Tensor:
         self._check_numbers(view.numbers)

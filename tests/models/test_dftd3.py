@@ -226,14 +226,22 @@ def test_default_cutoffs_periodic() -> None:
     model = DFTD3()
     assert math.isclose(model.disp2_cutoff, math.sqrt(9000) * units.Bohr) and math.isclose(model.cn_cutoff, 40 * units.Bohr)
     assert math.isclose(model.atm_cutoff, 40 * units.Bohr)
-    assert model.cutoff == pytest.approx(DEFAULT_CUTOFF) and model.halo == pytest.approx(DEFAULT_CUTOFF)
+    assert model.interaction_cutoff == pytest.approx(DEFAULT_CUTOFF)
     compare(CRYSTALS["water_box"](), "pbe", "bj", 1.0, cutoffs=(DEFAULT_CUTOFF, DEFAULT_CN_CUTOFF, DEFAULT_ATM_CUTOFF))
 
 
 def test_cutoff_attribute_covers_every_term() -> None:
-    assert DFTD3(cutoff=8.0, cn_cutoff=11.0).cutoff == 11.0
-    assert DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=1.0, atm_cutoff=9.0).cutoff == 9.0
-    assert DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=0.0, atm_cutoff=9.0).cutoff == 8.0
+    assert DFTD3(cutoff=8.0, cn_cutoff=11.0).interaction_cutoff == 11.0
+    assert DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=1.0, atm_cutoff=9.0).interaction_cutoff == 9.0
+    assert DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=0.0, atm_cutoff=9.0).interaction_cutoff == 8.0
+
+
+def test_halo_of_lattice_sums_and_of_atm() -> None:
+    """Lattice sums need no ghost rows; with ATM the view's rows reach every term's cutoff."""
+    lattice = DFTD3(cutoff=50.0, cn_cutoff=21.0)
+    assert lattice.lattice and lattice.halo == 0.0 and not lattice.ghost_forces
+    atm = DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=1.0, atm_cutoff=9.0)
+    assert not atm.lattice and atm.halo == 9.0 and atm.ghost_forces
 
 
 def test_conformance_periodic() -> None:

@@ -1,0 +1,271 @@
+"""Warp sources of the lattice-sum D3 kernels (imported only when Warp loads).
+
+One thread per owned atom ``i`` walks a cell list of *all* atoms, wrapped
+into the cell, and sums each partner ``j`` over its lattice images
+``r_j + t @ cell`` inside the cutoff sphere, so no periodic image is ever a
+row. The images of one ``j`` are enumerated exactly: the range of ``t_a`` on
+each periodic axis comes from the distance of the line (or plane) of images
+to ``r_i`` (:func:`_image_range`), so the loops visit the pairs in the sphere
+and few more. Each unordered pair ``{i, j}`` is taken by one of its two
+threads (``i < j`` when ``i + j`` is even, ``i > j`` when odd, so every atom
+takes about half of its partners whatever the id order; an atom's pairs with
+its own images where ``t`` is lexicographically positive), and its
+contributions go to both ends with atomics.
+
+``term`` selects what a pair contributes: coordination-number counts
+(``CN_COUNT``), the CN chain forces ``(a_i + a_j) dcount/dd``
+(``CN_CHAIN``), or the two-body dispersion (``TWO_BODY``: per pair ``{i, j}``
+the image sums are formed first and ``C6_ij`` is read once, as
+``v_i[s_j] . w_j`` with ``v_i[s] = w_i^T C6ref(Z_i, s)`` formed per atom,
+then energy, forces and ``dE/dC6`` times the partner's weights, ``u``).
+"""
+
+from __future__ import annotations
+
+import warp as wp
+
+wp.set_module_options({"enable_backward": False})
+
+TWO_BODY, CN_COUNT, CN_CHAIN = 0, 1, 2
+MARGIN = 1e-9  # widens each integer range by rounding's worth; the exact r^2 test decides
+
+
+@wp.func
+def _image_range(v: wp.vec3d, e: wp.vec3d, rc2: wp.float64, periodic: wp.int32):
+    """Integers ``t`` with ``|v + t e|^2 <= rc2`` as ``(lo, hi)``; ``(0, 0)`` on an open axis; ``lo > hi`` when none."""
+    if periodic == 0:
+        return wp.vec2i(0, 0)
+    ee = wp.dot(e, e)
+    p = wp.dot(v, e)
+    disc = p * p - ee * (wp.dot(v, v) - rc2)
+    if disc < wp.float64(0.0):
+        return wp.vec2i(1, 0)
+    root = wp.sqrt(disc)
+    lo = wp.int32(wp.ceil((-p - root) / ee - wp.float64(MARGIN)))
+    hi = wp.int32(wp.floor((-p + root) / ee + wp.float64(MARGIN)))
+    return wp.vec2i(lo, hi)
+
+
+@wp.func
+def _bin_span(f: wp.float64, half: wp.float64, origin: wp.float64, span: wp.float64, nb: wp.int32, periodic: wp.int32):
+    """First bin (unwrapped) and number of bins along one axis within ``half`` of ``f`` (fractional)."""
+    scale = wp.float64(nb) / span
+    lo = wp.floor((f - half - origin) * scale)
+    hi = wp.floor((f + half - origin) * scale)
+    if periodic != 0:
+        if hi - lo + wp.float64(1.0) >= wp.float64(nb):
+            return wp.vec2i(0, nb)
+        return wp.vec2i(wp.int32(lo), wp.int32(hi - lo) + 1)
+    # Clamped before the conversion: on an open axis of near-zero extent the scale is huge.
+    first = wp.int32(wp.max(lo, wp.float64(0.0)))
+    last = wp.int32(wp.min(hi, wp.float64(nb - 1)))
+    return wp.vec2i(first, wp.max(last - first + 1, 0))
+
+
+@wp.func
+def _wrap(k: wp.int32, n: wp.int32):
+    return ((k % n) + n) % n
+
+
+@wp.func
+def _project_out(v: wp.vec3d, u: wp.vec3d):
+    return v - wp.dot(v, u) * u
+
+
+@wp.func
+def _lex_positive(tx: wp.int32, ty: wp.int32, tz: wp.int32):
+    return tx > 0 or (tx == 0 and (ty > 0 or (ty == 0 and tz > 0)))
+
+
+@wp.func
+def _cn_count(r2: wp.float64, rcov_sum: wp.float64, k1: wp.float64):
+    """D3 counting function 1 / (1 + exp(-k1 (rcov_sum / r - 1))) as a sigmoid."""
+    return wp.float64(1.0) / (wp.float64(1.0) + wp.exp(-k1 * (rcov_sum / wp.sqrt(r2) - wp.float64(1.0))))
+
+
+@wp.func
+def _dispersion(r2: wp.float64, q6: wp.float64, q8: wp.float64, zero_damping: wp.bool):
+    """``(e6, e8, h6, h8)``: the damped ``r^-6``, ``r^-8`` terms and ``-d e_n / dd = h_n d``.
+
+    BJ: ``e_n = 1 / (r^n + q_n)`` with ``q_n = R0^n``. Zero damping:
+    ``e_n = 1 / (r^n (1 + 6 (q_n / r^2)^(n/2 + 4)))`` with ``q_n = (rs_n R0)^2``
+    (alpha6 = 14, alpha8 = 16).
+    """
+    r4 = r2 * r2
+    r6 = r4 * r2
+    r8 = r6 * r2
+    if zero_damping:
+        x = q6 / r2
+        x2 = x * x
+        x7 = x2 * x2 * x2 * x
+        y = q8 / r2
+        y2 = y * y
+        y4 = y2 * y2
+        y8 = y4 * y4
+        e6 = wp.float64(1.0) / (r6 * (wp.float64(1.0) + wp.float64(6.0) * x7))
+        e8 = wp.float64(1.0) / (r8 * (wp.float64(1.0) + wp.float64(6.0) * y8))
+        h6 = wp.float64(6.0) * r4 * (wp.float64(1.0) - wp.float64(8.0) * x7) * e6 * e6
+        h8 = wp.float64(8.0) * r6 * (wp.float64(1.0) - wp.float64(6.0) * y8) * e8 * e8
+        return wp.vec4d(e6, e8, h6, h8)
+    e6 = wp.float64(1.0) / (r6 + q6)
+    e8 = wp.float64(1.0) / (r8 + q8)
+    return wp.vec4d(e6, e8, wp.float64(6.0) * r4 * e6 * e6, wp.float64(8.0) * r6 * e8 * e8)
+
+
+def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
+    """The thread-per-owned-atom lattice sum of one ``term`` (see the module docstring)."""
+
+    @wp.kernel
+    def lattice_d3(
+        owned: wp.array(dtype=wp.int32),
+        pos: wp.array(dtype=wp.vec3d),
+        frac: wp.array(dtype=wp.vec3d),
+        lattice_a: wp.vec3d,
+        lattice_b: wp.vec3d,
+        lattice_c: wp.vec3d,
+        periodic: wp.vec3i,
+        unit_c: wp.vec3d,
+        plane_u1: wp.vec3d,
+        plane_u2: wp.vec3d,
+        origin: wp.vec3d,
+        span: wp.vec3d,
+        half_width: wp.vec3d,
+        nb: wp.vec3i,
+        bin_start: wp.array(dtype=wp.int32),
+        bin_atoms: wp.array(dtype=wp.int32),
+        rc2: wp.float64,
+        species: wp.array(dtype=wp.int32),
+        rcov: wp.array(dtype=wp.float64),
+        k1: wp.float64,
+        cn_grad: wp.array(dtype=wp.float64),
+        ref_weights: wp.array2d(dtype=wp.float64),
+        v: wp.array3d(dtype=wp.float64),
+        c8_over_c6: wp.array(dtype=wp.float64),
+        q6: wp.array(dtype=wp.float64),
+        q8: wp.array(dtype=wp.float64),
+        n_species: wp.int32,
+        s6: wp.float64,
+        s8: wp.float64,
+        cn: wp.array(dtype=wp.float64),
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        u: wp.array3d(dtype=wp.float64),
+        vir: wp.array(dtype=wp.mat33d),
+    ):
+        k = wp.tid()
+        i = owned[k]
+        ri = pos[i]
+        fi = frac[i]
+        si = species[i]
+        n_ref = ref_weights.shape[1]
+        # The projections that bound t_a: out of the periodic span of b and c (for t_a), out of c (for t_b).
+        e_a = _project_out(_project_out(lattice_a, plane_u1), plane_u2)
+        e_b = _project_out(lattice_b, unit_c)
+        span_x = _bin_span(fi[0], half_width[0], origin[0], span[0], nb[0], periodic[0])
+        span_y = _bin_span(fi[1], half_width[1], origin[1], span[1], nb[1], periodic[1])
+        span_z = _bin_span(fi[2], half_width[2], origin[2], span[2], nb[2], periodic[2])
+        cn_i = wp.float64(0.0)
+        vir_i = wp.mat33d()
+        for cx in range(span_x[1]):
+            bx = _wrap(span_x[0] + cx, nb[0])
+            for cy in range(span_y[1]):
+                by = _wrap(span_y[0] + cy, nb[1])
+                for cz in range(span_z[1]):
+                    b = (bx * nb[1] + by) * nb[2] + _wrap(span_z[0] + cz, nb[2])
+                    for slot in range(bin_start[b], bin_start[b + 1]):
+                        j = bin_atoms[slot]
+                        if j != i and (((i + j) % 2 == 0) != (i < j)):
+                            continue  # the partner's thread takes this pair
+                        sj = species[j]
+                        p = si * n_species + sj
+                        d0 = pos[j] - ri
+                        rcov_sum = wp.float64(0.0)
+                        coef = wp.float64(0.0)
+                        qa = wp.float64(0.0)
+                        qb = wp.float64(0.0)
+                        qq = wp.float64(0.0)
+                        if wp.static(term != TWO_BODY):
+                            rcov_sum = rcov[i] + rcov[j]
+                            if wp.static(term == CN_CHAIN):
+                                coef = cn_grad[i] + cn_grad[j]
+                        else:
+                            qa = q6[p]
+                            qb = q8[p]
+                            qq = c8_over_c6[p]
+                        total = wp.float64(0.0)  # counts (CN_COUNT), or the damped r^-6 sum (TWO_BODY)
+                        total8 = wp.float64(0.0)
+                        grad = wp.vec3d()  # sum over images of -dE/dd / (coefficient)
+                        outer = wp.mat33d()
+                        hits = int(0)  # noqa: UP018 - Warp: a dynamic variable, mutated in the loops
+                        range_x = _image_range(_project_out(_project_out(d0, plane_u1), plane_u2), e_a, rc2, periodic[0])
+                        for tx in range(range_x[0], range_x[1] + 1):
+                            d1 = d0 + wp.float64(tx) * lattice_a
+                            range_y = _image_range(_project_out(d1, unit_c), e_b, rc2, periodic[1])
+                            for ty in range(range_y[0], range_y[1] + 1):
+                                d2 = d1 + wp.float64(ty) * lattice_b
+                                range_z = _image_range(d2, lattice_c, rc2, periodic[2])
+                                for tz in range(range_z[0], range_z[1] + 1):
+                                    if j == i and not _lex_positive(tx, ty, tz):
+                                        continue
+                                    d = d2 + wp.float64(tz) * lattice_c
+                                    r2 = wp.dot(d, d)
+                                    if r2 > rc2:
+                                        continue
+                                    hits += 1
+                                    h = wp.float64(0.0)
+                                    if wp.static(term == TWO_BODY):
+                                        terms = _dispersion(r2, qa, qb, wp.static(zero_damping))
+                                        total += terms[0]
+                                        total8 += terms[1]
+                                        h = s6 * terms[2] + s8 * qq * terms[3]
+                                    else:
+                                        count = _cn_count(r2, rcov_sum, k1)
+                                        total += count
+                                        # d count / d r = -count (1 - count) k1 rcov_sum / r^2, along d / r.
+                                        h = count * (wp.float64(1.0) - count) * k1 * rcov_sum / (r2 * wp.sqrt(r2))
+                                    grad += h * d
+                                    if wp.static(virial):
+                                        outer += h * wp.outer(d, d)
+                        if hits == 0:
+                            continue
+                        if wp.static(term == CN_COUNT):
+                            cn_i += total
+                            wp.atomic_add(cn, j, total)
+                        if wp.static(term == CN_CHAIN):
+                            # E depends on d through CN_i and CN_j: dE/dd = -(a_i + a_j) h d.
+                            f = -coef * grad
+                            wp.atomic_add(forces, i, f)
+                            wp.atomic_sub(forces, j, f)
+                            if wp.static(virial):
+                                vir_i -= coef * outer
+                        if wp.static(term == TWO_BODY):
+                            c6 = wp.float64(0.0)
+                            for ref in range(n_ref):
+                                c6 += v[i, sj, ref] * ref_weights[j, ref]
+                            per_c6 = -(s6 * total + s8 * qq * total8)  # dE/dC6 of the pair
+                            half = wp.float64(0.5) * c6 * per_c6
+                            wp.atomic_add(energies, i, half)
+                            wp.atomic_add(energies, j, half)
+                            f = c6 * grad  # dE/dd = C6 h d; the force on i is +dE/dd
+                            wp.atomic_add(forces, i, f)
+                            wp.atomic_sub(forces, j, f)
+                            for ref in range(n_ref):
+                                wp.atomic_add(u, i, sj, ref, per_c6 * ref_weights[j, ref])
+                                wp.atomic_add(u, j, si, ref, per_c6 * ref_weights[i, ref])
+                            if wp.static(virial):
+                                vir_i += c6 * outer
+        if wp.static(term == CN_COUNT):
+            wp.atomic_add(cn, i, cn_i)
+        if wp.static(virial):
+            vir[k] = vir_i
+
+    return lattice_d3
+
+
+lattice_cn_count = _lattice_kernel(CN_COUNT, False, False)
+lattice_cn_chain = _lattice_kernel(CN_CHAIN, False, False)
+lattice_cn_chain_virial = _lattice_kernel(CN_CHAIN, False, True)
+lattice_bj = _lattice_kernel(TWO_BODY, False, False)
+lattice_bj_virial = _lattice_kernel(TWO_BODY, False, True)
+lattice_zero = _lattice_kernel(TWO_BODY, True, False)
+lattice_zero_virial = _lattice_kernel(TWO_BODY, True, True)
