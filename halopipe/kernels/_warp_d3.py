@@ -3,10 +3,11 @@
 One thread per owned atom ``i`` walks a cell list of *all* atoms, wrapped
 into the cell, and sums each partner ``j`` over its lattice images
 ``r_j + t @ cell`` inside the cutoff sphere, so no periodic image is ever a
-row. The images of one ``j`` are enumerated exactly: the range of ``t_a`` on
-each periodic axis comes from the distance of the line (or plane) of images
-to ``r_i`` (:func:`_image_range`), so the loops visit the pairs in the sphere
-and few more. Each unordered pair ``{i, j}`` is taken by one of its two
+row. The images of one ``j`` are the translations ``t`` within the sphere's
+bounding box in fractional coordinates (:func:`_box_range`), each tested by
+its distance. (Solving for the exact range of ``t`` on each line of images
+cost more than the box's extra distance tests: a square root per line
+against a few multiply-adds per test.) Each unordered pair ``{i, j}`` is taken by one of its two
 threads (``i < j`` when ``i + j`` is even, ``i > j`` when odd, so every atom
 takes about half of its partners whatever the id order; an atom's pairs with
 its own images where ``t`` is lexicographically positive), and its
@@ -31,19 +32,11 @@ MARGIN = 1e-9  # widens each integer range by rounding's worth; the exact r^2 te
 
 
 @wp.func
-def _image_range(v: wp.vec3d, e: wp.vec3d, rc2: wp.float64, periodic: wp.int32):
-    """Integers ``t`` with ``|v + t e|^2 <= rc2`` as ``(lo, hi)``; ``(0, 0)`` on an open axis; ``lo > hi`` when none."""
+def _box_range(df: wp.float64, half: wp.float64, periodic: wp.int32):
+    """Translations ``t`` with ``|df + t| <= half`` (fractional), ``(0, 0)`` on an open axis."""
     if periodic == 0:
         return wp.vec2i(0, 0)
-    ee = wp.dot(e, e)
-    p = wp.dot(v, e)
-    disc = p * p - ee * (wp.dot(v, v) - rc2)
-    if disc < wp.float64(0.0):
-        return wp.vec2i(1, 0)
-    root = wp.sqrt(disc)
-    lo = wp.int32(wp.ceil((-p - root) / ee - wp.float64(MARGIN)))
-    hi = wp.int32(wp.floor((-p + root) / ee + wp.float64(MARGIN)))
-    return wp.vec2i(lo, hi)
+    return wp.vec2i(wp.int32(wp.ceil(-df - half)), wp.int32(wp.floor(-df + half)))
 
 
 @wp.func
@@ -68,19 +61,14 @@ def _wrap(k: wp.int32, n: wp.int32):
 
 
 @wp.func
-def _project_out(v: wp.vec3d, u: wp.vec3d):
-    return v - wp.dot(v, u) * u
-
-
-@wp.func
 def _lex_positive(tx: wp.int32, ty: wp.int32, tz: wp.int32):
     return tx > 0 or (tx == 0 and (ty > 0 or (ty == 0 and tz > 0)))
 
 
 @wp.func
-def _cn_count(r2: wp.float64, rcov_sum: wp.float64, k1: wp.float64):
+def _cn_count(inverse_r: wp.float64, rcov_sum: wp.float64, k1: wp.float64):
     """D3 counting function 1 / (1 + exp(-k1 (rcov_sum / r - 1))) as a sigmoid."""
-    return wp.float64(1.0) / (wp.float64(1.0) + wp.exp(-k1 * (rcov_sum / wp.sqrt(r2) - wp.float64(1.0))))
+    return wp.float64(1.0) / (wp.float64(1.0) + wp.exp(k1 - k1 * rcov_sum * inverse_r))
 
 
 @wp.func
@@ -107,13 +95,21 @@ def _dispersion(r2: wp.float64, q6: wp.float64, q8: wp.float64, zero_damping: wp
         h6 = wp.float64(6.0) * r4 * (wp.float64(1.0) - wp.float64(8.0) * x7) * e6 * e6
         h8 = wp.float64(8.0) * r6 * (wp.float64(1.0) - wp.float64(6.0) * y8) * e8 * e8
         return wp.vec4d(e6, e8, h6, h8)
-    e6 = wp.float64(1.0) / (r6 + q6)
-    e8 = wp.float64(1.0) / (r8 + q8)
+    denom6 = r6 + q6
+    denom8 = r8 + q8
+    inverse = wp.float64(1.0) / (denom6 * denom8)  # one division for both terms
+    e6 = denom8 * inverse
+    e8 = denom6 * inverse
     return wp.vec4d(e6, e8, wp.float64(6.0) * r4 * e6 * e6, wp.float64(8.0) * r6 * e8 * e8)
 
 
-def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
-    """The thread-per-owned-atom lattice sum of one ``term`` (see the module docstring)."""
+def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = False):
+    """The thread-per-owned-atom lattice sum of one ``term`` (see the module docstring).
+
+    ``store`` (``CN_COUNT``): also write each pair's image sums ``sum_t h d``
+    (and ``sum_t h d (x) d`` with ``virial``) at ``[thread, partner]``, so the
+    chain forces need no second walk.
+    """
 
     @wp.kernel
     def lattice_d3(
@@ -124,9 +120,6 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
         lattice_b: wp.vec3d,
         lattice_c: wp.vec3d,
         periodic: wp.vec3i,
-        unit_c: wp.vec3d,
-        plane_u1: wp.vec3d,
-        plane_u2: wp.vec3d,
         origin: wp.vec3d,
         span: wp.vec3d,
         half_width: wp.vec3d,
@@ -151,6 +144,8 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
         forces: wp.array(dtype=wp.vec3d),
         u: wp.array3d(dtype=wp.float64),
         vir: wp.array(dtype=wp.mat33d),
+        pair_grad: wp.array2d(dtype=wp.vec3d),
+        pair_outer: wp.array2d(dtype=wp.mat33d),
     ):
         k = wp.tid()
         i = owned[k]
@@ -158,9 +153,6 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
         fi = frac[i]
         si = species[i]
         n_ref = ref_weights.shape[1]
-        # The projections that bound t_a: out of the periodic span of b and c (for t_a), out of c (for t_b).
-        e_a = _project_out(_project_out(lattice_a, plane_u1), plane_u2)
-        e_b = _project_out(lattice_b, unit_c)
         span_x = _bin_span(fi[0], half_width[0], origin[0], span[0], nb[0], periodic[0])
         span_y = _bin_span(fi[1], half_width[1], origin[1], span[1], nb[1], periodic[1])
         span_z = _bin_span(fi[2], half_width[2], origin[2], span[2], nb[2], periodic[2])
@@ -174,7 +166,7 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
                     b = (bx * nb[1] + by) * nb[2] + _wrap(span_z[0] + cz, nb[2])
                     for slot in range(bin_start[b], bin_start[b + 1]):
                         j = bin_atoms[slot]
-                        if j != i and (((i + j) % 2 == 0) != (i < j)):
+                        if j != i and (((i + j) & 1) == 0) != (i < j):
                             continue  # the partner's thread takes this pair
                         sj = species[j]
                         p = si * n_species + sj
@@ -197,13 +189,14 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
                         grad = wp.vec3d()  # sum over images of -dE/dd / (coefficient)
                         outer = wp.mat33d()
                         hits = int(0)  # noqa: UP018 - Warp: a dynamic variable, mutated in the loops
-                        range_x = _image_range(_project_out(_project_out(d0, plane_u1), plane_u2), e_a, rc2, periodic[0])
+                        df = frac[j] - fi
+                        range_x = _box_range(df[0], half_width[0], periodic[0])
+                        range_y = _box_range(df[1], half_width[1], periodic[1])
+                        range_z = _box_range(df[2], half_width[2], periodic[2])
                         for tx in range(range_x[0], range_x[1] + 1):
                             d1 = d0 + wp.float64(tx) * lattice_a
-                            range_y = _image_range(_project_out(d1, unit_c), e_b, rc2, periodic[1])
                             for ty in range(range_y[0], range_y[1] + 1):
                                 d2 = d1 + wp.float64(ty) * lattice_b
-                                range_z = _image_range(d2, lattice_c, rc2, periodic[2])
                                 for tz in range(range_z[0], range_z[1] + 1):
                                     if j == i and not _lex_positive(tx, ty, tz):
                                         continue
@@ -219,10 +212,11 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
                                         total8 += terms[1]
                                         h = s6 * terms[2] + s8 * qq * terms[3]
                                     else:
-                                        count = _cn_count(r2, rcov_sum, k1)
+                                        inverse_r = wp.float64(1.0) / wp.sqrt(r2)
+                                        count = _cn_count(inverse_r, rcov_sum, k1)
                                         total += count
                                         # d count / d r = -count (1 - count) k1 rcov_sum / r^2, along d / r.
-                                        h = count * (wp.float64(1.0) - count) * k1 * rcov_sum / (r2 * wp.sqrt(r2))
+                                        h = count * (wp.float64(1.0) - count) * k1 * rcov_sum * inverse_r * inverse_r * inverse_r
                                     grad += h * d
                                     if wp.static(virial):
                                         outer += h * wp.outer(d, d)
@@ -231,6 +225,10 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
                         if wp.static(term == CN_COUNT):
                             cn_i += total
                             wp.atomic_add(cn, j, total)
+                            if wp.static(store):  # this thread's row of the chain terms, for a pass without the walk
+                                pair_grad[k, j] = grad
+                                if wp.static(virial):
+                                    pair_outer[k, j] = outer
                         if wp.static(term == CN_CHAIN):
                             # E depends on d through CN_i and CN_j: dE/dd = -(a_i + a_j) h d.
                             f = -coef * grad
@@ -256,13 +254,15 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool):
                                 vir_i += c6 * outer
         if wp.static(term == CN_COUNT):
             wp.atomic_add(cn, i, cn_i)
-        if wp.static(virial):
+        if wp.static(virial and term != CN_COUNT):  # the walk of the counts keeps its virial terms per pair
             vir[k] = vir_i
 
     return lattice_d3
 
 
 lattice_cn_count = _lattice_kernel(CN_COUNT, False, False)
+lattice_cn_count_store = _lattice_kernel(CN_COUNT, False, False, store=True)
+lattice_cn_count_store_virial = _lattice_kernel(CN_COUNT, False, True, store=True)
 lattice_cn_chain = _lattice_kernel(CN_CHAIN, False, False)
 lattice_cn_chain_virial = _lattice_kernel(CN_CHAIN, False, True)
 lattice_bj = _lattice_kernel(TWO_BODY, False, False)

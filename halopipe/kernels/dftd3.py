@@ -11,6 +11,7 @@ Only the Warp kernel exists; without it the model keeps its torch path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "d3_kernel_available",
     "d3_two_body_autograd",
     "ghost_pairs_once",
+    "keeps_chain_terms",
     "lattice_cells",
     "lattice_cn_chain",
     "lattice_coordination_numbers",
@@ -170,10 +172,8 @@ class LatticeCells:
 
     ``positions``/``frac``: wrapped Cartesian and binning (working-basis
     fractional) coordinates; ``lattice``: the three cell rows as tuples;
-    ``unit_c``, ``plane_u1``, ``plane_u2``: the unit ``c`` and an orthonormal
-    basis of the periodic span of ``b`` and ``c`` (zero vectors for open
-    axes), which bound each axis' image range; bins of about cutoff / 3 per
-    axis (whole cell periods on periodic axes, the atoms' extent on open ones),
+    ``half_width``: the cutoff sphere's reach in fractional coordinates per
+    axis (its bounding box); bins of about cutoff / 3 per axis (whole cell periods on periodic axes, the atoms' extent on open ones),
     ``bin_start`` / ``bin_atoms`` in CSR form.
     """
 
@@ -181,9 +181,6 @@ class LatticeCells:
     frac: torch.Tensor
     lattice: tuple
     periodic: tuple
-    unit_c: tuple
-    plane_u1: tuple
-    plane_u2: tuple
     origin: tuple
     span: tuple
     half_width: tuple
@@ -200,9 +197,6 @@ class LatticeCells:
             self.frac,
             *(vec(row) for row in self.lattice),
             wp.vec3i(*self.periodic),
-            vec(self.unit_c),
-            vec(self.plane_u1),
-            vec(self.plane_u2),
             vec(self.origin),
             vec(self.span),
             vec(self.half_width),
@@ -214,6 +208,7 @@ class LatticeCells:
 
 
 BINS_PER_CUTOFF = 3  # bins of cutoff / 3: a thread scans about (2 + 1/3)^3 cutoff^3 of candidates
+ATOMS_PER_BIN = 4  # but no smaller than this many atoms on average: an empty bin costs a visit too
 MAX_BINS_PER_AXIS = 64
 
 
@@ -227,7 +222,7 @@ def lattice_cells(positions: torch.Tensor, cell: torch.Tensor, pbc: torch.Tensor
     wrap = torch.where(mask, torch.floor(frac), torch.zeros_like(frac))
     frac = frac - wrap
     wrapped = positions - wrap @ basis
-    origin, span, nb = [], [], []
+    origin, span = [], []
     heights = geometry.heights.tolist()
     for a in range(3):
         if periodic[a] or frac.shape[0] == 0:
@@ -237,7 +232,10 @@ def lattice_cells(positions: torch.Tensor, cell: torch.Tensor, pbc: torch.Tensor
             width = max(float(frac[:, a].max()) - lo, 1e-9)
         origin.append(lo)
         span.append(width)
-        nb.append(int(min(max(width * heights[a] * BINS_PER_CUTOFF // cutoff, 1), MAX_BINS_PER_AXIS)))
+    widths = [w * h for w, h in zip(span, heights)]  # Å across the binned region, per axis
+    volume = max(float(torch.linalg.det(geometry.basis).abs()) * math.prod(span), 1e-30)
+    bin_length = max(cutoff / BINS_PER_CUTOFF, (ATOMS_PER_BIN * volume / max(frac.shape[0], 1)) ** (1.0 / 3.0))
+    nb = [int(min(max(w // bin_length, 1), MAX_BINS_PER_AXIS)) for w in widths]
     scale = torch.tensor([n / w for n, w in zip(nb, span)], dtype=frac.dtype, device=frac.device)
     index = torch.floor((frac - torch.tensor(origin, dtype=frac.dtype, device=frac.device)) * scale).to(torch.int64)
     index = torch.minimum(index.clamp_min(0), torch.tensor(nb, device=frac.device) - 1)  # rounding at the far face
@@ -246,19 +244,12 @@ def lattice_cells(positions: torch.Tensor, cell: torch.Tensor, pbc: torch.Tensor
     start = torch.zeros(nb[0] * nb[1] * nb[2] + 1, dtype=torch.int64, device=frac.device)
     start[1:] = torch.cumsum(torch.bincount(linear, minlength=start.numel() - 1), 0)
     lattice = cell.detach().to(torch.float64).cpu()
-    unit_c = lattice[2] / lattice[2].norm() if periodic[2] else torch.zeros(3, dtype=torch.float64)
-    plane = [lattice[a] for a in (1, 2) if periodic[a]]
-    basis_bc = torch.linalg.qr(torch.stack(plane).T).Q.T if plane else torch.zeros(0, 3, dtype=torch.float64)
-    u1, u2 = [basis_bc[k] if k < basis_bc.shape[0] else torch.zeros(3, dtype=torch.float64) for k in (0, 1)]
     half_width = [(cutoff / h) * (1.0 + 1e-12) + 1e-12 for h in heights]  # fractional reach of the sphere per axis
     return LatticeCells(
         positions=wrapped.contiguous(),
         frac=frac.contiguous(),
         lattice=tuple(tuple(row) for row in lattice.tolist()),
         periodic=tuple(int(p) for p in periodic),
-        unit_c=tuple(unit_c.tolist()),
-        plane_u1=tuple(u1.tolist()),
-        plane_u2=tuple(u2.tolist()),
         origin=tuple(origin),
         span=tuple(span),
         half_width=tuple(half_width),
@@ -277,50 +268,81 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
     """Launch one lattice-sum kernel over the ``owned`` atoms; returns its outputs (``vir`` summed, or None)."""
     wp = warp_module()
     n, dtype, device = cells.positions.shape[0], cells.positions.dtype, cells.positions.device
+    want = inputs["want"]
     empty = torch.zeros(0, dtype=dtype, device=device)
+    rows = lambda key: n if key in want else 0  # noqa: E731
     ref_weights = inputs.get("ref_weights", torch.zeros(0, 1, dtype=dtype, device=device))
     v = inputs.get("v", torch.zeros(0, 1, 1, dtype=dtype, device=device))
+    kept = owned.numel() if "pairs" in want else 0
     outputs = {
-        "cn": torch.zeros(n if "cn" in inputs["want"] else 0, dtype=dtype, device=device),
-        "energies": torch.zeros(n if "energies" in inputs["want"] else 0, dtype=dtype, device=device),
-        "forces": torch.zeros(n if "forces" in inputs["want"] else 0, 3, dtype=dtype, device=device),
-        "u": torch.zeros_like(v) if "u" in inputs["want"] else torch.zeros(0, 1, 1, dtype=dtype, device=device),
+        "cn": torch.zeros(rows("cn"), dtype=dtype, device=device),
+        "energies": torch.zeros(rows("energies"), dtype=dtype, device=device),
+        "forces": torch.zeros(rows("forces"), 3, dtype=dtype, device=device),
+        "u": torch.zeros_like(v) if "u" in want else torch.zeros(0, 1, 1, dtype=dtype, device=device),
         "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
+        "pair_grad": torch.zeros(kept, n if kept else 0, 3, dtype=dtype, device=device),
+        "pair_outer": torch.zeros(kept if virial else 0, n if kept and virial else 0, 3, 3, dtype=dtype, device=device),
     }
     args = [owned, *cells.kernel_inputs(), species]
     args += [inputs.get("rcov", empty), float(inputs.get("k1", 0.0)), inputs.get("cn_grad", empty)]
     args += [wp.from_torch(ref_weights.contiguous()), wp.from_torch(v.contiguous())]
     args += [inputs.get(key, empty) for key in ("c8_over_c6", "q6", "q8")]
     args += [int(inputs.get("n_species", 1)), float(inputs.get("s6", 0.0)), float(inputs.get("s8", 0.0))]
-    outs = [
-        outputs["cn"],
-        outputs["energies"],
-        outputs["forces"],
-        wp.from_torch(outputs["u"]),
-        wp.from_torch(outputs["vir"], dtype=wp.mat33d),
-    ]
+    outs = [outputs["cn"], outputs["energies"], outputs["forces"], wp.from_torch(outputs["u"])]
+    outs += [wp.from_torch(outputs["vir"], dtype=wp.mat33d)]
+    outs += [wp.from_torch(outputs["pair_grad"], dtype=wp.vec3d), wp.from_torch(outputs["pair_outer"], dtype=wp.mat33d)]
     if owned.numel():
         launch(warp_kernel(name, "_warp_d3"), owned.numel(), device, args, outs)
     outputs["vir"] = outputs["vir"].sum(dim=0) if virial else None
     return outputs
 
 
-def lattice_coordination_numbers(owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float) -> torch.Tensor:
+CHAIN_STORE_BYTES = 64 << 20
+"""Memory the coordination-number walk may fill with each (thread, partner) pair's chain terms.
+
+Small cells (every atom a partner of every atom, through its images) then
+get the chain forces by a dense contraction instead of a second walk. The
+choice must not depend on whether the virial is wanted (forces are the same
+bits either way), so the budget counts both terms (12 numbers a pair).
+"""
+
+
+def keeps_chain_terms(n_threads: int, n_atoms: int) -> bool:
+    """Whether the coordination-number walk stores its chain terms (a (threads, atoms) table) within :data:`CHAIN_STORE_BYTES`."""
+    return n_threads * n_atoms * 12 * 8 <= CHAIN_STORE_BYTES
+
+
+def lattice_coordination_numbers(
+    owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float, keep: bool = False, virial: bool = False
+) -> tuple[torch.Tensor, tuple | None]:
     """This rank's share of every atom's D3 coordination number, (N,): the pairs its ``owned`` threads take.
 
-    Summed over ranks (each pair is taken once), it is the coordination number of every atom.
+    Summed over ranks (each pair is taken once), it is the coordination
+    number of every atom. ``keep``: also return each (thread, partner) pair's
+    chain terms for :func:`lattice_cn_chain` (with their virial part when ``virial``).
     """
     species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=rcov.device)
-    return _lattice_launch("lattice_cn_count", owned, cells, species, {"rcov": rcov, "k1": k1, "want": ("cn",)}, False)["cn"]
+    name = "lattice_cn_count" + ("_store" if keep else "") + ("_virial" if keep and virial else "")
+    inputs = {"rcov": rcov, "k1": k1, "want": ("cn", "pairs") if keep else ("cn",)}
+    out = _lattice_launch(name, owned, cells, species, inputs, keep and virial)
+    return out["cn"], (out["pair_grad"], out["pair_outer"] if virial else None) if keep else None
 
 
 def lattice_cn_chain(
-    owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float, cn_grad: torch.Tensor, virial: bool
+    owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float, cn_grad: torch.Tensor, virial: bool, kept: tuple | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forces ``-dE/dr`` (N, 3) through the coordination numbers, from ``cn_grad = dE/dCN`` of every atom, and ``sum d (x) dE/dd``.
 
-    This rank's share: the pairs its ``owned`` threads take (forces land on both ends).
+    This rank's share: the pairs its ``owned`` threads take (forces land on
+    both ends). ``kept``: the chain terms the coordination-number walk stored,
+    contracted densely instead of walking again.
     """
+    if kept is not None:
+        grad, outer = kept
+        coef = cn_grad[owned.long()][:, None] + cn_grad[None, :]  # (a_i + a_j) per (thread, partner)
+        pair_force = -coef[..., None] * grad  # on the thread's atom; its partner gets the opposite
+        forces = torch.zeros_like(cells.positions).index_add_(0, owned.long(), pair_force.sum(dim=1)) - pair_force.sum(dim=0)
+        return forces, -(coef.reshape(1, -1) @ outer.reshape(-1, 9)).reshape(3, 3) if virial else None
     species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=rcov.device)
     inputs = {"rcov": rcov, "k1": k1, "cn_grad": cn_grad.contiguous(), "want": ("forces",)}
     name = "lattice_cn_chain_virial" if virial else "lattice_cn_chain"

@@ -60,6 +60,7 @@ from ..kernels.dftd3 import (
     d3_kernel_available,
     d3_two_body_autograd,
     ghost_pairs_once,
+    keeps_chain_terms,
     lattice_cells,
     lattice_cn_chain,
     lattice_coordination_numbers,
@@ -480,7 +481,9 @@ class DFTD3(Model):
         threads = owned.to(torch.int32).contiguous()
         rcov = self.rcov[numbers].to(f64).contiguous()
         cn_cells = lattice_cells(positions, cell, view.pbc, self.cn_cutoff)
-        cn = view.global_sum(lattice_coordination_numbers(threads, cn_cells, rcov, K1)).requires_grad_(True)
+        keep = keeps_chain_terms(n, view.n_total)
+        cn_share, kept = lattice_coordination_numbers(threads, cn_cells, rcov, K1, keep, virial)
+        cn = view.global_sum(cn_share).requires_grad_(True)
         with torch.enable_grad():  # only for dw/dCN, per atom
             c6_of = _C6(numbers, cn, self.c6ref, self.ref_cn, self.n_ref)
         pair_cells = lattice_cells(positions, cell, view.pbc, self.disp2_cutoff)
@@ -488,7 +491,7 @@ class DFTD3(Model):
         two = lattice_two_body(threads, pair_cells, c6_of.sidx, c6_of.w.detach(), c6_of.v.detach(), tables, self.damping == "zero", virial)
         (cn_grad,) = torch.autograd.grad(c6_of.w, cn, self._weight_gradient(c6_of, two["u"]))
         cn_grad = view.global_sum(cn_grad)
-        chain_forces, chain_virial = lattice_cn_chain(threads, cn_cells, rcov, K1, cn_grad, virial)
+        chain_forces, chain_virial = lattice_cn_chain(threads, cn_cells, rcov, K1, cn_grad, virial, kept)
         total = view.global_sum(torch.cat([two["forces"] + chain_forces, two["energies"][:, None]], dim=1))[owned]
         return total[:, 3], total[:, :3], None if not virial else -(two["vir"] + chain_virial)
 
