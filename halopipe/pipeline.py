@@ -374,6 +374,8 @@ def _candidates(
     ``(pairs, start)``: the offsets of lists grouped by owned row (else
     None), which the filter uses. Lists of older plans are dropped.
     """
+    if cutoff <= 0.0:  # a model that pairs nothing (D3's lattice sums): no search
+        return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
     version = domain.plan_version
     for old in [k for k in pair_cache if k[1] != version]:
         del pair_cache[old]

@@ -28,7 +28,7 @@ import warp as wp
 wp.set_module_options({"enable_backward": False})
 
 TWO_BODY, CN_COUNT, CN_CHAIN = 0, 1, 2
-MARGIN = 1e-9  # widens each integer range by rounding's worth; the exact r^2 test decides
+vec6d = wp.types.vector(length=6, dtype=wp.float64)  # the six components of a symmetric 3 x 3 sum
 
 
 @wp.func
@@ -187,7 +187,7 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                         total = wp.float64(0.0)  # counts (CN_COUNT), or the damped r^-6 sum (TWO_BODY)
                         total8 = wp.float64(0.0)
                         grad = wp.vec3d()  # sum over images of -dE/dd / (coefficient)
-                        outer = wp.mat33d()
+                        sym = vec6d()  # sum of h d (x) d: xx, yy, zz, xy, xz, yz
                         hits = int(0)  # noqa: UP018 - Warp: a dynamic variable, mutated in the loops
                         df = frac[j] - fi
                         range_x = _box_range(df[0], half_width[0], periodic[0])
@@ -217,11 +217,13 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                                         total += count
                                         # d count / d r = -count (1 - count) k1 rcov_sum / r^2, along d / r.
                                         h = count * (wp.float64(1.0) - count) * k1 * rcov_sum * inverse_r * inverse_r * inverse_r
-                                    grad += h * d
+                                    hd = h * d
+                                    grad += hd
                                     if wp.static(virial):
-                                        outer += h * wp.outer(d, d)
+                                        sym += vec6d(hd[0] * d[0], hd[1] * d[1], hd[2] * d[2], hd[0] * d[1], hd[0] * d[2], hd[1] * d[2])
                         if hits == 0:
                             continue
+                        outer = wp.mat33d(sym[0], sym[3], sym[4], sym[3], sym[1], sym[5], sym[4], sym[5], sym[2])
                         if wp.static(term == CN_COUNT):
                             cn_i += total
                             wp.atomic_add(cn, j, total)

@@ -139,7 +139,8 @@ class ModelOutput:
 class Model(torch.nn.Module):
     """Base class of interatomic models.
 
-    Subclasses set ``cutoff`` (Å, the neighbour list the model needs), and may
+    Subclasses set ``cutoff`` (Å, the neighbour list the model needs; 0 for
+    none: the view then holds no pairs), and may
     set ``inputs`` / ``outputs`` (names of per-atom fields consumed / produced),
     ``direct_forces`` (True if :meth:`forward` can return forces and virial
     without autograd), ``ghost_forces`` (False if those direct forces are
