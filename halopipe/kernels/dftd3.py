@@ -273,15 +273,15 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
     rows = lambda key: n if key in want else 0  # noqa: E731
     ref_weights = inputs.get("ref_weights", torch.zeros(0, 1, dtype=dtype, device=device))
     v = inputs.get("v", torch.zeros(0, 1, 1, dtype=dtype, device=device))
-    kept = owned.numel() if "pairs" in want else 0
+    kept = (owned.numel(), n) if "pairs" in want else (0, 0)  # a (thread, partner) table
     outputs = {
         "cn": torch.zeros(rows("cn"), dtype=dtype, device=device),
         "energies": torch.zeros(rows("energies"), dtype=dtype, device=device),
         "forces": torch.zeros(rows("forces"), 3, dtype=dtype, device=device),
         "u": torch.zeros_like(v) if "u" in want else torch.zeros(0, 1, 1, dtype=dtype, device=device),
         "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
-        "pair_grad": torch.zeros(kept, n if kept else 0, 3, dtype=dtype, device=device),
-        "pair_outer": torch.zeros(kept if virial else 0, n if kept and virial else 0, 3, 3, dtype=dtype, device=device),
+        "pair_grad": torch.zeros(*kept, 3, dtype=dtype, device=device),
+        "pair_outer": torch.zeros(*(kept if virial else (0, 0)), 3, 3, dtype=dtype, device=device),
     }
     args = [owned, *cells.kernel_inputs(), species]
     args += [inputs.get("rcov", empty), float(inputs.get("k1", 0.0)), inputs.get("cn_grad", empty)]

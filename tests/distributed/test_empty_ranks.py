@@ -27,6 +27,7 @@ MODELS = [
     "mace_layer",
     "mace_wide",
 ]
+NO_GHOSTS = {"d3_autograd"}  # D3 without ATM sums periodic images in its kernels: it asks for no ghost rows
 
 
 @pytest.mark.timeout(600)
@@ -38,7 +39,7 @@ def test_every_model_with_empty_ranks(bottom, owned):
     ghosts = results["ghosts_per_rank"]
     # The layouts the test is about: an empty rank with ghost rows, for every model when the slab sits in brick 0.
     if bottom == 1.0:
-        assert all(ghosts[name][1] > 0 and ghosts[name][3] > 0 for name in models), ghosts
+        assert all(ghosts[name][1] > 0 and ghosts[name][3] > 0 for name in models if name not in NO_GHOSTS), ghosts
     assert any(ghosts[name][2] == 0 for name in models), ghosts  # and an empty rank without any row
     for name in models:
         r = results[name]
