@@ -32,11 +32,20 @@ forces and stress cost one chunk's memory, not all triples'. The time still
 grows with the triples: at the default 21.2 Å cutoff a dense solid has about
 10^5-10^6 triples per atom.
 
-Domain decomposition: a CN needs all neighbours of its atom, so CNs are
-computed for owned rows and ghosts receive theirs from their owners through
-``view.refresh``. Pair energies are split half/half between the two atoms; a
-triple gives a third of its energy to each member as centre, so the sum over
-owned atoms counts every pair and triple exactly once.
+Periodic images: the cutoffs (50 Å) usually exceed the cell, so without ATM
+the sums run over lattice translations inside the kernels
+(:mod:`halopipe.kernels.dftd3`, "lattice sums"), as s-dftd3 does: every rank
+holds every atom's position (one global sum), its threads take half of its
+owned atoms' pairs with all their images, and global sums of per-atom
+vectors bring the coordination numbers, ``dE/dCN`` and the pair forces home.
+No image is a ghost row, so D3 asks for no halo. Pair energies are split
+half/half between the two atoms (s-dftd3's atom-resolved energies).
+
+With ATM (and without Warp) D3 works on ghost rows: a CN needs all neighbours
+of its atom, so CNs are computed for owned rows and ghosts receive theirs from
+their owners through ``view.refresh``; a triple gives a third of its energy to
+each member as centre, so the sum over owned atoms counts every pair and
+triple exactly once.
 
 Reference values: Grimme et al., J. Chem. Phys. 132, 154104 (2010), shipped in
 ``data/dftd3_reference.npz`` (see ``data/README.md``). Units inside: eV and Å.
@@ -278,17 +287,17 @@ class DFTD3(Model):
 
     Notes
     -----
-    The model's ``cutoff`` attribute (the neighbour list it receives, and its
-    halo) is the largest of the three cutoffs; each term masks its own.
-    Forces and stress come from autograd. With BJ damping and no ATM term the
-    pair work runs in compiled kernels (:mod:`halopipe.kernels.dftd3`: CN
-    and two-body passes over a half list, with analytic backward); the CN to
-    C6 weights stay in torch, so the chain rule through ghosts' refreshed CNs
-    is unchanged. Zero damping, the ATM term, and machines without Warp use
-    the torch path below.
+    Without ATM (``s9 = 0``, BJ or zero damping, Warp available) the sums run
+    over lattice images in compiled kernels (:attr:`lattice`): the view needs
+    no pairs and no ghost rows (``cutoff`` and ``halo`` are 0;
+    :attr:`interaction_cutoff` is the reach), and forces, energies and the
+    virial come out of the kernels, complete on the owned atoms. With ATM,
+    the model's ``cutoff`` (its neighbour list and halo) is the largest of
+    the three cutoffs, each term masks its own, and forces and stress come
+    from autograd (the BJ two-body term in half-list kernels).
     """
 
-    direct_forces = True  # through direct_by_local_autograd: D3 depends on the cell only via positions
+    direct_forces = True  # lattice sums give forces and virial; the ghost-row path differentiates locally
 
     def __init__(
         self,
