@@ -12,6 +12,9 @@ forces and stress add over groups.
   from a charge model) and consumed by a later step of the same autograd group
   (say Ewald). It is passed with its graph, so the cross-model chain term
   ``dE/dq * dq/dr`` is part of the forces and the stress.
+* **Field gradients** (``field_gradients=[...]``): the derivative of the
+  energy with respect to a per-atom field, the system's (input) or a wired
+  one, from the same backward pass as the forces (see :class:`Pipeline`).
 
 A group is direct when every model offers direct forces and no field is
 produced in it; otherwise it is autograd (``Group(autograd=...)`` overrides).
@@ -206,6 +209,29 @@ class Pipeline(torch.nn.Module):
     ``energy=False`` asks for forces only, as most MD steps do (LAMMPS
     evaluates energies only on thermo steps): the three energy keys are left
     out, and direct models may skip their energy work; the forces are the same.
+
+    ``field_gradients=["charges", ...]`` adds ``d_energy_d_<name>`` for each
+    named per-atom field: shaped like the field, per atom in the order of
+    ``forces`` (gathered on every rank as they are), eV per field unit, at
+    fixed positions and cell. For a field the **system carries** it is
+    ``dE/dx_i``, the total energy's derivative, summed over every step and
+    group that reads it. For a **wired field** (produced by one step,
+    consumed by later steps of its group) it is the *downstream partial*
+    ``dE/dq_i``: ``q`` is made an independent variable at the point of
+    wiring, so the result is the derivative of the energies of the steps that
+    read it (and of whatever they produce from it in turn), while the
+    producer's own energy and its internal dependencies (a charge model's
+    self-energy, its total-charge correction) are held fixed: the
+    electronegativity a charge-equilibration scheme wants, with any charge
+    constraint left to the caller. A field that no step reads gets zeros.
+    Under domain decomposition a ghost row's contribution goes home to its
+    owner through the backward of the refresh, so the result is exact. A
+    direct group that reads a requested field is evaluated by autograd for
+    that call (its forces are equal to rounding). Requesting a field that
+    neither the system carries nor a step produces, an integer field, or a
+    name that is both read from the system and produced by a step (or
+    produced by several steps), raises ``ValueError`` on every rank before
+    any data moves. With ``field_gradients=None`` (default) nothing changes.
     """
 
     def __init__(self, groups, config: DomainConfig | None = None) -> None:
@@ -249,20 +275,59 @@ class Pipeline(torch.nn.Module):
             return f"the system lacks field(s) {missing} that no step produces; add them to System.fields or wire a model producing them"
         return None
 
-    def forward(self, system: System | Domain | None, stress: bool = False, decompose: bool = True, energy: bool = True) -> dict:
+    def field_gradient_problem(self, names, system_fields: dict[str, torch.Tensor]) -> str | None:
+        """The complaint about requested field gradients ``names`` that cannot be given, if any.
+
+        Each name must be a floating-point field of the system (``system_fields``)
+        or produced by exactly one step, and not both read from the system and
+        produced (the two would be different variables under one name).
+        """
+        producers: dict[str, list[str]] = {}
+        from_system: dict[str, list[str]] = {}
+        made: set[str] = set()
+        for row, group in zip(self.names, self.groups):
+            for label, step in zip(row, group.steps):
+                for inp in sorted(step.model.inputs):
+                    if step.source_of(inp) not in made:
+                        from_system.setdefault(step.source_of(inp), []).append(label)
+                for visible in step.produced().values():
+                    producers.setdefault(visible, []).append(label)
+                    made.add(visible)
+        available = sorted(set(system_fields) | set(producers))
+        unknown = [name for name in names if name not in available]
+        if unknown:
+            return f"field_gradients: unknown field(s) {unknown}; available fields (the system's and those steps produce): {available}"
+        for name in names:
+            if len(producers.get(name, ())) > 1:
+                return f"field_gradients: '{name}' is produced by several steps {producers[name]}; rename them apart with wire={{...}}"
+            if name in producers and name in from_system:
+                return (
+                    f"field_gradients: '{name}' is both read from the system (by {from_system[name]}) "
+                    f"and produced by {producers[name][0]}; rename the produced field with wire={{...}} and bind={{...}}"
+                )
+            if name not in producers and not system_fields[name].is_floating_point():
+                return f"field_gradients: the system's field '{name}' has dtype {system_fields[name].dtype}, not a floating-point type"
+        return None
+
+    def forward(
+        self, system: System | Domain | None, stress: bool = False, decompose: bool = True, energy: bool = True, field_gradients=None
+    ) -> dict:
         """Evaluate ``system`` (see the class docstring); ``decompose=False`` keeps a System on this process.
 
         Every rank of a running process group must make the call unless
         ``decompose=False`` (a single-process reference on rank 0, say).
+        ``field_gradients``: names of per-atom fields (a list, or one name)
+        whose energy gradients ``d_energy_d_<name>`` to return.
         """
+        wanted = _field_names(field_gradients)
         if isinstance(system, Domain):
-            return self._evaluate_on(system, stress, energy)
+            return self._evaluate_on(system, stress, energy, wanted)
         domain = _decomposition(system, self.config) if decompose and _decomposition is not None else None
         if domain is not None:
-            return _gathered(self._evaluate_on(domain, stress, energy), domain)
+            return _gathered(self._evaluate_on(domain, stress, energy, wanted), domain)
         if not isinstance(system, System):
             raise TypeError(f"Pipeline: expected a halopipe.System or a Domain, got {type(system).__name__}")
-        return self._evaluate_on(self._local_domain(system), stress, energy)
+        return self._evaluate_on(self._local_domain(system), stress, energy, wanted)
 
     def _local_domain(self, system: System) -> LocalDomain:
         if self._domain is not None and self._domain.compatible(system) and self._domain.skin == float(self.config.skin):
@@ -273,11 +338,22 @@ class Pipeline(torch.nn.Module):
             self._pair_cache = {}
         return self._domain
 
-    def _evaluate_on(self, domain: Domain, stress: bool, energy: bool) -> dict:
+    def _evaluate_on(self, domain: Domain, stress: bool, energy: bool, wanted: tuple[str, ...] = ()) -> dict:
         problem = domain.problem(self.config) or self.missing_fields(domain.fields)
+        if wanted and not problem:
+            problem = self.field_gradient_problem(wanted, domain.fields)
         problem = f"Pipeline: {problem}" if problem else None
         with domain.guard("pipeline evaluation"):
-            out = evaluate(self, domain, stress=stress, pair_cache=self._pair_cache, halo_of=self.halo_of, problem=problem, energy=energy)
+            out = evaluate(
+                self,
+                domain,
+                stress=stress,
+                pair_cache=self._pair_cache,
+                halo_of=self.halo_of,
+                problem=problem,
+                energy=energy,
+                field_gradients=wanted,
+            )
         names = [name for row in self.names for name in row]
         out["halo"] = {name: domain.ghost_count(self.halo_of(s.model)) for name, s in zip(names, self._steps())}
         out["halo"]["exchanged"] = domain.n_exchanged
@@ -287,9 +363,25 @@ class Pipeline(torch.nn.Module):
         return [s for g in self.groups for s in g.steps]
 
 
+def _field_names(field_gradients) -> tuple[str, ...]:
+    """``field_gradients`` as a tuple of distinct names, in order (one name may be given bare)."""
+    if field_gradients is None:
+        return ()
+    if isinstance(field_gradients, str):
+        return (field_gradients,)
+    return tuple(dict.fromkeys(field_gradients))
+
+
+def gradient_key(name: str) -> str:
+    """The result key of the energy's gradient with respect to field ``name``: ``d_energy_d_<name>``."""
+    return f"d_energy_d_{name}"
+
+
 def _gathered(out: dict, domain: Domain) -> dict:
     """Per-atom results of the owned atoms -> all atoms in the original order, on every rank."""
     out["forces"] = domain.gather(out["forces"])
+    for key in [k for k in out if k.startswith("d_energy_d_")]:
+        out[key] = domain.gather(out[key])
     if "energies" in out:
         out["energies"] = domain.gather(out["energies"])
     out["fields"] = {name: domain.gather(value) for name, value in out["fields"].items()}
@@ -412,6 +504,7 @@ def evaluate(
     halo_of=None,
     problem: str | None = None,
     energy: bool = True,
+    field_gradients: tuple[str, ...] = (),
 ) -> dict:
     """Energy, forces (owned rows) and optionally stress of ``pipeline`` on ``domain``.
 
@@ -422,6 +515,9 @@ def evaluate(
     Returns ``energy``, ``energies`` (owned atoms), ``model_energies``,
     ``forces`` (owned atoms), ``fields`` and, with ``stress``, ``virial`` and ``stress``;
     ``energy=False`` leaves the three energy keys out (forces only).
+    ``field_gradients``: names of fields (checked by
+    :meth:`Pipeline.field_gradient_problem`) whose ``d_energy_d_<name>``
+    (owned atoms) to add, as :class:`Pipeline` describes.
     """
     pair_cache = {} if pair_cache is None else pair_cache
     halo_of = halo_of or (lambda model: model.halo)
@@ -440,9 +536,18 @@ def evaluate(
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
     _search_widest_half_list(pipeline, domain, ghost_positions, pair_cache, halo_of)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
+    produced_names = {v for grp in pipeline.groups for s in grp.steps for v in s.produced().values()}
+    from_system = set(field_gradients) - produced_names
+    gradients: dict[str, torch.Tensor] = {name: torch.zeros_like(static[name]) for name in from_system}
     for group in pipeline.groups:
-        run = _run_autograd_group if group.autograd else _run_direct_group
-        f, w, e, p = run(group, domain, static, stress, pair_cache, halo_of, ghost_positions, energy)
+        reads = {s.source_of(i) for s in group.steps for i in s.model.inputs} if from_system else set()
+        if group.autograd or reads & from_system:  # a direct group gives no dE/dx: autograd for this call
+            args = (group, domain, static, stress, pair_cache, halo_of, ghost_positions, energy)
+            f, w, e, p, g = _run_autograd_group(*args, field_gradients)
+            for name, grad in g.items():
+                gradients[name] = gradients[name] + grad if name in gradients else grad
+        else:
+            f, w, e, p = _run_direct_group(group, domain, static, stress, pair_cache, halo_of, ghost_positions, energy)
         forces += f
         virial += w
         for per_atom in e if energy else ():
@@ -458,6 +563,7 @@ def evaluate(
     totals = reduced[:k]
     _raise_if_not_finite(pipeline, totals, reduced[k : k + len(broken)])
     result = {"forces": forces, "fields": produced}
+    result.update({gradient_key(name): gradients[name] for name in field_gradients})
     if energy:
         names = [name for row in pipeline.names for name in row]
         result.update(energy=totals.sum(), energies=energies, model_energies={name: totals[k] for k, name in enumerate(names)})
@@ -508,7 +614,16 @@ def _group_ghost_positions(group: Group, domain: Domain, positions: torch.Tensor
     return domain.ghost_rows(positions, width, known=ghost_positions[: domain.ghost_count(width)])
 
 
-def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions, energy: bool):
+def _run_autograd_group(
+    group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions, energy: bool, wanted=()
+):
+    """Forces, virial, per-atom energies and produced fields of ``group``, and the gradients of the ``wanted`` fields it reads or produces.
+
+    A wanted field of the system becomes a leaf the group's views refresh
+    from (the refresh's backward sums ghost rows' gradients into owners); a
+    wanted produced field gets a node of its own at the wiring point, so its
+    gradient is what the consumers send back (:class:`Pipeline`).
+    """
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
     eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
@@ -518,6 +633,9 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     else:
         positions = pos
     fields = dict(static)
+    reads = {s.source_of(i) for s in group.steps for i in s.model.inputs} - {v for s in group.steps for v in s.produced().values()}
+    leaves = {name: fields[name].detach().requires_grad_(True) for name in wanted if name in reads and name in static}
+    fields.update(leaves)
     made: dict[str, torch.Tensor] = {}
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     per_atom_energies = []
@@ -528,15 +646,24 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
         energy = energy + out.energies.sum()
         per_atom_energies.append(out.energies.detach())
         for out_name, visible in step.produced().items():
-            fields[visible] = out.fields[out_name]
-            made[visible] = out.fields[out_name].detach()
+            value = out.fields[out_name]
+            if visible in wanted:
+                # A node of its own: the producer's energy used `value` before the wiring point and must not count,
+                # and a producer whose field carries no graph still gets a leaf to differentiate.
+                value = leaves[visible] = value.clone() if value.requires_grad else value.detach().requires_grad_(True)
+            fields[visible] = value
+            made[visible] = value.detach()
     wrt = [pos, eps] if stress else [pos]
-    grads = torch.autograd.grad(energy, wrt, allow_unused=True)
+    grads = torch.autograd.grad(energy, wrt + list(leaves.values()), allow_unused=True)
     forces = -grads[0] if grads[0] is not None else torch.zeros_like(pos)
     virial = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device)
     if stress and grads[1] is not None:
         virial = -grads[1]
-    return forces.detach(), virial.detach(), per_atom_energies, made
+    field_grads = {
+        name: (grad.detach() if grad is not None else torch.zeros_like(leaf.detach()))
+        for (name, leaf), grad in zip(leaves.items(), grads[len(wrt) :])
+    }
+    return forces.detach(), virial.detach(), per_atom_energies, made, field_grads
 
 
 def _check_direct_output(model, out, view: LocalView) -> None:
