@@ -94,6 +94,12 @@ ALP = 14.0  # zero-damping exponent alpha6 (alpha8 = alpha6 + 2; ATM uses (alpha
 DEFAULT_CUTOFF = math.sqrt(9000.0) * units.Bohr  # ≈ 50.20 Å
 DEFAULT_CN_CUTOFF = math.sqrt(1600.0) * units.Bohr  # ≈ 21.17 Å
 DEFAULT_ATM_CUTOFF = 40.0 * units.Bohr  # ≈ 21.17 Å
+# s-dftd3 (through mctc-lib) converts its Å-tabulated covalent radii and R0AB to bohr with CODATA 2018's bohr,
+# hbar / (m_e c alpha), while positions reach it in bohr through ASE's constant (CODATA 2014): relative to the
+# positions its radii are 6.4e-10 shorter than tabulated. halopipe takes them so, and equals s-dftd3 as ASE users
+# call it to ~1e-13 instead of ~5e-8 in forces (the steep CN step and zero damping amplify the radii's difference).
+SDFTD3_BOHR = 0.5291772109044924  # Å, CODATA 2018
+SDFTD3_LENGTH = units.Bohr / SDFTD3_BOHR
 TRIPLE_CHUNK = 1 << 20  # candidate ATM triples per chunk (about 200 MB of float64 intermediates)
 
 _DAMPINGS = ("bj", "zero")
@@ -334,8 +340,8 @@ class DFTD3(Model):
             "ref_cn": d["ref_cn"],
             "n_ref": d["n_ref"],
             "q": q,
-            "rcov": K2 * d["rcov"],
-            "r0ab": d["r0ab"],
+            "rcov": K2 * d["rcov"] * SDFTD3_LENGTH,
+            "r0ab": d["r0ab"] * SDFTD3_LENGTH,
         }
         for name, value in tensors.items():
             # Derived from the packaged file, so not part of the state dict.
