@@ -249,6 +249,14 @@ def test_conformance_periodic() -> None:
     check_model(model, System.from_ase(CRYSTALS["triclinic"]()), n_fd_atoms=2, force_atol=1e-6, stress_atol=1e-7)
 
 
+@pytest.mark.parametrize("damping", ["bj", "zero"])
+def test_conformance_lattice_sums(damping: str) -> None:
+    """The lattice-sum path (no ATM) on a small triclinic cell whose cutoffs span several images along every axis."""
+    model = DFTD3("pbe" if damping == "bj" else "b3lyp", damping, cutoff=17.3, cn_cutoff=11.1)
+    assert model.lattice
+    check_model(model, System.from_ase(CRYSTALS["triclinic"]()), n_fd_atoms=2, force_atol=1e-6, stress_atol=1e-7)
+
+
 def test_conformance_molecule() -> None:
     model = DFTD3("b3lyp", "zero", cutoff=12.0, cn_cutoff=9.0, s9=1.0, atm_cutoff=8.0)
     check_model(model, System.from_ase(MOLECULES["heavy_cluster"]()), n_fd_atoms=3, force_atol=1e-6)
