@@ -230,8 +230,10 @@ class Pipeline(torch.nn.Module):
     that call (its forces are equal to rounding). Requesting a field that
     neither the system carries nor a step produces, an integer field, or a
     name that is both read from the system and produced by a step (or
-    produced by several steps), raises ``ValueError`` on every rank before
-    any data moves. With ``field_gradients=None`` (default) nothing changes.
+    produced by several steps), raises ``ValueError`` (under ranks, the
+    ``DistributedError`` naming the ranks that every rank raises) before the
+    evaluation moves any data. With ``field_gradients=None`` (default)
+    nothing changes.
     """
 
     def __init__(self, groups, config: DomainConfig | None = None) -> None:
@@ -536,8 +538,9 @@ def evaluate(
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
     _search_widest_half_list(pipeline, domain, ghost_positions, pair_cache, halo_of)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
-    produced_names = {v for grp in pipeline.groups for s in grp.steps for v in s.produced().values()}
-    from_system = set(field_gradients) - produced_names
+    from_system = set()  # requested fields read from the system (the rest are produced): checked by field_gradient_problem
+    if field_gradients:
+        from_system = set(field_gradients) - {v for grp in pipeline.groups for s in grp.steps for v in s.produced().values()}
     gradients: dict[str, torch.Tensor] = {name: torch.zeros_like(static[name]) for name in from_system}
     for group in pipeline.groups:
         reads = {s.source_of(i) for s in group.steps for i in s.model.inputs} if from_system else set()
@@ -633,9 +636,11 @@ def _run_autograd_group(
     else:
         positions = pos
     fields = dict(static)
-    reads = {s.source_of(i) for s in group.steps for i in s.model.inputs} - {v for s in group.steps for v in s.produced().values()}
-    leaves = {name: fields[name].detach().requires_grad_(True) for name in wanted if name in reads and name in static}
-    fields.update(leaves)
+    leaves: dict[str, torch.Tensor] = {}
+    if wanted:
+        reads = {s.source_of(i) for s in group.steps for i in s.model.inputs} - {v for s in group.steps for v in s.produced().values()}
+        leaves = {name: fields[name].detach().requires_grad_(True) for name in wanted if name in reads and name in static}
+        fields.update(leaves)
     made: dict[str, torch.Tensor] = {}
     energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     per_atom_energies = []
