@@ -4,7 +4,7 @@ Two extras cannot share one environment: ``mace-torch==0.3.16`` pins
 ``e3nn==0.4.4`` and ``sevenn`` needs ``e3nn>=0.5``. So nox builds two fresh
 virtual environments from the package registries:
 
-* ``tests``: ``.[test,mace]`` and the whole suite except the SevenNet test
+* ``tests``: ``.[test,mace,torchsim]`` and the whole suite except the SevenNet test
   files ``tests/**/test_*sevenn*.py`` (not collected here, so not skipped);
 * ``sevenn``: ``.[test,sevenn]`` and those files (the SevenNet model, its
   distributed runs and its example, all marked ``sevenn``); this session fails
@@ -37,8 +37,8 @@ def _install(session: nox.Session, extras: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The core suite and MACE (everything but the sevenn-marked tests)."""
-    _install(session, "test,mace")
+    """The core suite, MACE and torch-sim (everything but the sevenn-marked tests)."""
+    _install(session, "test,mace,torchsim")
     session.run("python", "-m", "pytest", "-q", "-m", "not sevenn", f"--ignore-glob=*/{SEVENN_TESTS}", *session.posargs, env=ENV)
 
 

@@ -107,6 +107,21 @@ def test_a_float32_state_is_evaluated_in_float32():
         np.testing.assert_allclose(out[key].double().numpy(), expected[key].numpy(), rtol=0, atol=1e-5 * scale, err_msg=key)
 
 
+def evaluate_on_ranks() -> dict[str, np.ndarray]:
+    """The wrapper on the batch of :func:`structures`, called on every rank of a process group (for spawn)."""
+    out = TorchSimModel(composite())(state_of(structures()))
+    return {key: value.numpy() for key, value in out.items()}
+
+
+def test_under_a_process_group_each_system_is_split_over_the_ranks():
+    from halopipe.distributed.launch import spawn
+
+    expected = TorchSimModel(composite())(state_of(structures()))
+    for out in spawn(evaluate_on_ranks, 2, timeout=180):
+        for key in ("energy", "forces", "stress"):
+            np.testing.assert_allclose(out[key], expected[key].numpy(), rtol=0, atol=1e-10, err_msg=key)
+
+
 def test_stress_is_torch_sims_convention():
     """torch-sim's stress is (1/V) dE/dε (torch_sim.quantities.get_pressure): check against central differences."""
     atoms = structures()[0]
