@@ -5,8 +5,10 @@
 (Voigt, eV/Å³, when the cell spans three dimensions, as ASE's Lennard-Jones
 does) and ``charges`` (``atoms.get_charges()``) when the pipeline produces a
 field named ``charges``. One extra property, ``model_energies``, maps each
-step's name to its energy; ``export_properties`` leaves it out because ASE's
-output registry (``ase.outputs``) does not know it.
+step's name to its energy, and ``field_gradients=["charges"]`` adds
+``d_energy_d_charges`` (per atom, see :class:`~halopipe.Pipeline`);
+``export_properties`` leaves these out because ASE's output registry
+(``ase.outputs``) does not know them.
 
 The calculator keeps one pipeline; a change of atom count, species or cell
 only makes the pipeline build a new plan, so ``atoms.calc`` stays usable.
@@ -23,7 +25,7 @@ from ase.calculators.calculator import all_changes
 from ase.outputs import Properties, all_outputs
 from ase.stress import full_3x3_to_voigt_6_stress
 
-from .pipeline import Pipeline
+from .pipeline import Pipeline, gradient_key
 from .system import System
 
 __all__ = ["Calculator"]
@@ -36,23 +38,27 @@ class Calculator(_AseCalculator):
     ----------
     pipeline : a :class:`~halopipe.Pipeline` or a :class:`~halopipe.Model`.
     dtype, device : precision and device of the evaluation.
+    field_gradients : names of per-atom fields whose energy gradients to
+        add as the properties ``d_energy_d_<name>`` (default: none).
     **kwargs : passed to :class:`ase.calculators.calculator.Calculator`.
     """
 
-    def __init__(self, pipeline, dtype: torch.dtype = torch.float64, device: str = "cpu", **kwargs) -> None:
+    def __init__(self, pipeline, dtype: torch.dtype = torch.float64, device: str = "cpu", field_gradients=(), **kwargs) -> None:
         super().__init__(**kwargs)
         self.pipeline = pipeline if isinstance(pipeline, Pipeline) else Pipeline([pipeline])
         self.dtype, self.device = dtype, device
+        self.field_gradients = (field_gradients,) if isinstance(field_gradients, str) else tuple(field_gradients)
         produced = {name for group in self.pipeline.groups for step in group.steps for name in step.produced().values()}
         self.implemented_properties = ["energy", "free_energy", "energies", "forces", "stress", "model_energies"]
         if "charges" in produced:
             self.implemented_properties.append("charges")
+        self.implemented_properties += [gradient_key(name) for name in self.field_gradients]
 
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         super().calculate(atoms, properties, system_changes)
         system = System.from_ase(self.atoms, dtype=self.dtype, device=self.device)
         want_stress = "stress" in properties and self.atoms.cell.rank == 3
-        out = self.pipeline(system, stress=want_stress)
+        out = self.pipeline(system, stress=want_stress, field_gradients=self.field_gradients)
         energy = float(out["energy"])
         self.results = {
             "energy": energy,
@@ -61,6 +67,7 @@ class Calculator(_AseCalculator):
             "forces": _numpy(out["forces"]),
             "model_energies": {name: float(value) for name, value in out["model_energies"].items()},
         }
+        self.results.update({gradient_key(name): _numpy(out[gradient_key(name)]) for name in self.field_gradients})
         if "charges" in out["fields"]:
             self.results["charges"] = _numpy(out["fields"]["charges"])
         if want_stress:

@@ -134,3 +134,24 @@ def test_bad_names_are_rejected_before_any_work():
     both = Pipeline([Group([Step(_MustNotRun()), Step(ChargeModel(3.5)), Step(DSFCoulomb(7.0, 0.2))])])
     with pytest.raises(ValueError, match=r"'charges' is both read from the system \(by \['_MustNotRun'\]\) and produced by ChargeModel"):
         both(system, field_gradients=["charges"])
+
+
+def test_ase_calculator_property():
+    """``Calculator(field_gradients=...)``'s property against ASE energies with one atom's initial charge moved."""
+    from halopipe.ase import Calculator
+
+    atoms = salt().to_ase()
+    atoms.calc = Calculator(Pipeline([DSFCoulomb(7.0, 0.2)], config=DomainConfig(skin=0.0)), field_gradients=["charges"])
+    grad = atoms.calc.get_property("d_energy_d_charges", atoms)
+    q = atoms.get_initial_charges()
+    fd = []
+    for i in ATOMS:
+        energies = []
+        for sign in (1.0, -1.0):
+            moved = q.copy()
+            moved[i] += sign * H
+            atoms.set_initial_charges(moved)
+            energies.append(atoms.get_potential_energy())
+        fd.append((energies[0] - energies[1]) / (2 * H))
+    atoms.set_initial_charges(q)
+    np.testing.assert_allclose(grad[ATOMS], fd, rtol=1e-8, atol=1e-8)
