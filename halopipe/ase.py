@@ -57,7 +57,7 @@ class Calculator(_AseCalculator):
     def calculate(self, atoms=None, properties=("energy",), system_changes=all_changes) -> None:
         super().calculate(atoms, properties, system_changes)
         system = System.from_ase(self.atoms, dtype=self.dtype, device=self.device)
-        want_stress = "stress" in properties and self.atoms.cell.rank == 3
+        want_stress = "stress" in properties and bool(self.atoms.cell.rank == 3)  # a numpy bool would reach torch as requires_grad
         out = self.pipeline(system, stress=want_stress, field_gradients=self.field_gradients)
         energy = float(out["energy"])
         self.results = {

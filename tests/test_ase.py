@@ -63,6 +63,13 @@ def test_forces_and_stress_equal_ase_numerical_derivatives():
     np.testing.assert_allclose(atoms.get_stress(), calculate_numerical_stress(atoms, eps=1e-5), atol=1e-9)
 
 
+def test_stress_of_an_autograd_group_equals_ase_lennard_jones():
+    """Stress through the strain derivative (an autograd group): ASE's periodicity test gives a numpy bool, which must not reach torch."""
+    atoms, ref = pair(argon())
+    atoms.calc = Calculator(Pipeline([Group([Step(LennardJones(EPS, SIGMA, RC))], autograd=True)]))
+    np.testing.assert_allclose(atoms.get_stress(), ref.get_stress(), atol=1e-13)
+
+
 def test_calc_survives_changes_of_atom_count_and_cell():
     atoms, ref = pair(argon())
     assert_same(atoms, ref)
