@@ -461,7 +461,10 @@ class DFTD3(Model):
         bad = (numbers < 1) | (numbers > MAX_Z)
         if bool(bad.any()):
             z = int(numbers[bad][0])
-            raise ValueError(f"DFTD3: no D3 reference data for atomic number {z}; the tables cover Z = 1..{MAX_Z} (H..Lr)")
+            raise ValueError(
+                f"DFTD3: no D3 reference data for atomic number {z}; the tables cover Z = 1..{MAX_Z} (H..Lr): "
+                "check the structure's elements, or leave D3 out for this system"
+            )
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         if self.lattice:
