@@ -243,7 +243,7 @@ class System:
             numbers=torch.as_tensor(atoms.get_atomic_numbers(), dtype=torch.int64, device=device),
             cell=t(atoms.get_cell().array),
             pbc=torch.as_tensor(atoms.get_pbc(), device=device),
-            masses=t(atoms.get_masses()),
+            masses=t(atoms.get_masses()) if atoms.has("masses") else None,  # standard masses, after the numbers are checked
             fields={k: torch.as_tensor(np.asarray(v), device=device) for k, v in fields.items()},
         )
 

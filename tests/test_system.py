@@ -127,3 +127,11 @@ def test_close_contact_search_scales_linearly():
     atoms = bulk("Cu", "fcc", a=3.61, cubic=True).repeat(25)  # 62500 atoms, nearest neighbours 2.55 Å
     system = System.from_ase(atoms)
     system.check_close_contacts()
+
+
+def test_from_ase_with_an_atomic_number_beyond_the_table_names_the_atom():
+    """ASE has no mass for Z = 200: the System's own check must speak first, not an IndexError."""
+    from ase import Atoms
+
+    with pytest.raises(ValueError, match=r"atom 1 has atomic number 200, outside 1\.\.118"):
+        System.from_ase(Atoms(numbers=[6, 200], positions=[[0, 0, 0], [1.5, 0, 0]]))
