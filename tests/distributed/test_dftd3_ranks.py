@@ -4,7 +4,7 @@ Reference: the same pipeline evaluated in one process (``decompose=False``) on r
 forces 1e-10 eV/Å, energy 1e-12 relative, stress 1e-12 relative to its largest component.
 Cases: D3(BJ)/PBE at the default cutoffs (two-body 50.2 Å, CN 21.2 Å: several boxes wide) and
 D3(BJ)-ATM (s9 = 1) at smaller cutoffs, on 64 rattled Si atoms and on a 20-atom triclinic cell
-(angles 63°, 112°, 72°), on 1, 2 and 4 ranks with slab (4,1,1) and pencil (2,2,1) brick grids.
+(angles 63°, 112°, 72°), on 1, 2, 4 and 8 ranks with slab (4,1,1), pencil (2,2,1) and (2,2,2) brick grids.
 """
 
 import math
@@ -30,6 +30,7 @@ CASES = {
     ),
     "4_ranks_4x1x1": (4, [("silicon", "default", (4, 1, 1)), ("triclinic", "atm", (4, 1, 1))]),
     "4_ranks_2x2x1": (4, [("triclinic", "default", (2, 2, 1)), ("silicon", "atm", (2, 2, 1))]),
+    "8_ranks_2x2x2": (8, [("silicon", "default", (2, 2, 2))]),
 }
 
 
