@@ -43,6 +43,13 @@ def _steps(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _check_not_structure(path: str) -> None:
     """Name a structure file passed as the configuration, before YAML parses (and an error prints) its contents."""
     from pathlib import Path
@@ -94,6 +101,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(nproc=args.nproc, atoms=args.atoms, steps=args.steps, output=args.output)
 
 
+def cmd_relax(args: argparse.Namespace) -> int:
+    """``halopipe relax structures.extxyz -o relaxed.extxyz --config pipeline.yaml [--fmax F] [--steps N] [--cell]``."""
+    note("loading halopipe")
+    from .relax import RelaxSettings, relax_file
+
+    settings = RelaxSettings(fmax=args.fmax, steps=args.steps, cell=args.cell, pressure=args.pressure)
+    return relax_file(args.structures, args.output, args.config, settings, stop_on_error=args.stop_on_error)
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     """``halopipe schema``: the JSON schema of configuration files, for editors."""
     from ..config import config_schema
@@ -114,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halopipe", description="Composed interatomic potentials under domain decomposition.")
     parser.add_argument("--version", action="version", version=f"halopipe {__version__}")
     parser.add_argument("--debug", action="store_true", help="print the full traceback of a failure")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run,verify,schema}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,run,verify,relax,schema}")
     common = [_common()]
 
     p = sub.add_parser(
@@ -153,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_verify)
 
+    p = sub.add_parser("relax", parents=common, help="relax every frame of a structure file with FIRE (--cell: the cell too)")
+    p.add_argument("structures", help="structure file (any format ASE reads; every frame)")
+    p.add_argument("-o", "--output", required=True, help="extended XYZ of the relaxed frames, with energy and forces")
+    p.add_argument("--config", required=True, help="YAML with the potential: models (and groups) as in a run configuration")
+    p.add_argument("--fmax", type=_positive_float, default=0.05, help="force criterion per frame, eV/Å (default 0.05)")
+    p.add_argument("--steps", type=_steps, default=500, help="most FIRE steps per frame (default 500)")
+    p.add_argument("--cell", action="store_true", help="relax the cell too (ASE's FrechetCellFilter)")
+    p.add_argument("--pressure", type=float, default=0.0, help="with --cell: external pressure, GPa (default 0)")
+    p.add_argument("--stop-on-error", action="store_true", help="stop at the first frame that fails (default: go on, exit 1 at the end)")
+    p.set_defaults(func=cmd_relax)
+
     p = sub.add_parser("schema", parents=common, help="print the JSON schema of configuration files (for editors)")
     p.set_defaults(func=cmd_schema)
     return parser
@@ -164,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run" and args.allow_changed and not args.restart:
         parser.error("--allow-changed only applies with --restart")
+    if args.command == "relax" and args.pressure and not args.cell:
+        parser.error("--pressure only applies with --cell")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
