@@ -27,7 +27,7 @@ import warp as wp
 
 wp.set_module_options({"enable_backward": False})
 
-TWO_BODY, CN_COUNT, CN_CHAIN = 0, 1, 2
+TWO_BODY, CN_COUNT, CN_CHAIN, NEIGHBOUR_COUNT, NEIGHBOUR_FILL = 0, 1, 2, 3, 4
 vec6d = wp.types.vector(length=6, dtype=wp.float64)  # the six components of a symmetric 3 x 3 sum
 
 
@@ -146,6 +146,11 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
         vir: wp.array(dtype=wp.mat33d),
         pair_grad: wp.array2d(dtype=wp.vec3d),
         pair_outer: wp.array2d(dtype=wp.mat33d),
+        nbr_start: wp.array(dtype=wp.int32),
+        nbr_count: wp.array(dtype=wp.int32),
+        nbr_atom: wp.array(dtype=wp.int32),
+        nbr_shift: wp.array(dtype=wp.vec3i),
+        nbr_vec: wp.array(dtype=wp.vec3d),
     ):
         k = wp.tid()
         i = owned[k]
@@ -158,6 +163,7 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
         span_z = _bin_span(fi[2], half_width[2], origin[2], span[2], nb[2], periodic[2])
         cn_i = wp.float64(0.0)
         vir_i = wp.mat33d()
+        listed = int(0)  # noqa: UP018 - Warp: a dynamic variable (neighbours of i so far)
         for cx in range(span_x[1]):
             bx = _wrap(span_x[0] + cx, nb[0])
             for cy in range(span_y[1]):
@@ -166,8 +172,9 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                     b = (bx * nb[1] + by) * nb[2] + _wrap(span_z[0] + cz, nb[2])
                     for slot in range(bin_start[b], bin_start[b + 1]):
                         j = bin_atoms[slot]
-                        if j != i and (((i + j) & 1) == 0) != (i < j):
-                            continue  # the partner's thread takes this pair
+                        if wp.static(term < NEIGHBOUR_COUNT):
+                            if j != i and (((i + j) & 1) == 0) != (i < j):
+                                continue  # the partner's thread takes this pair
                         sj = species[j]
                         p = si * n_species + sj
                         d0 = pos[j] - ri
@@ -198,13 +205,24 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                             for ty in range(range_y[0], range_y[1] + 1):
                                 d2 = d1 + wp.float64(ty) * lattice_b
                                 for tz in range(range_z[0], range_z[1] + 1):
-                                    if j == i and not _lex_positive(tx, ty, tz):
-                                        continue
+                                    if wp.static(term < NEIGHBOUR_COUNT):
+                                        if j == i and not _lex_positive(tx, ty, tz):
+                                            continue
+                                    elif j == i and tx == 0 and ty == 0 and tz == 0:
+                                        continue  # a neighbour list holds every image but the atom itself
                                     d = d2 + wp.float64(tz) * lattice_c
                                     r2 = wp.dot(d, d)
                                     if r2 > rc2:
                                         continue
                                     hits += 1
+                                    if wp.static(term >= NEIGHBOUR_COUNT):
+                                        if wp.static(term == NEIGHBOUR_FILL):
+                                            entry = nbr_start[k] + listed
+                                            nbr_atom[entry] = j
+                                            nbr_shift[entry] = wp.vec3i(tx, ty, tz)
+                                            nbr_vec[entry] = d
+                                        listed += 1
+                                        continue
                                     h = wp.float64(0.0)
                                     if wp.static(term == TWO_BODY):
                                         terms = _dispersion(r2, qa, qb, wp.static(zero_damping))
@@ -256,6 +274,8 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                                 vir_i += c6 * outer
         if wp.static(term == CN_COUNT):
             wp.atomic_add(cn, i, cn_i)
+        if wp.static(term == NEIGHBOUR_COUNT):
+            nbr_count[k] = listed
         if wp.static(virial and term != CN_COUNT):  # the walk of the counts keeps its virial terms per pair
             vir[k] = vir_i
 
@@ -271,3 +291,141 @@ lattice_bj = _lattice_kernel(TWO_BODY, False, False)
 lattice_bj_virial = _lattice_kernel(TWO_BODY, False, True)
 lattice_zero = _lattice_kernel(TWO_BODY, True, False)
 lattice_zero_virial = _lattice_kernel(TWO_BODY, True, True)
+lattice_neighbour_count = _lattice_kernel(NEIGHBOUR_COUNT, False, False)
+lattice_neighbour_fill = _lattice_kernel(NEIGHBOUR_FILL, False, False)
+
+
+@wp.func
+def _member_less(id1: wp.int32, t1: wp.vec3i, id2: wp.int32, t2: wp.vec3i):
+    """Order of the members of a triple: by atom, then by image (translation, lexicographically)."""
+    if id1 != id2:
+        return id1 < id2
+    return _lex_positive(t2[0] - t1[0], t2[1] - t1[1], t2[2] - t1[2])
+
+
+def _atm_kernel(virial: bool):
+    """ATM three-body energy over each owned atom's neighbour list (all images within the ATM cutoff).
+
+    A thread takes the pairs ``{(b, t_b), (c, t_c)}`` of its atom ``a``'s
+    neighbours that are also within the cutoff of each other. Every triple is
+    seen from each of its three members, so one of them evaluates it: sorting
+    the members by (atom, image), the one at rank ``(a + b + c) mod 3``
+    (which spreads the work whatever the id order). Its energy goes a third
+    to each member, forces to all three; ``dE/dC6`` of the pairs with ``a``
+    are kept per neighbour entry (``nbr_grad``), that of ``(b, c)`` goes
+    into ``u`` (as in the two-body kernel).
+    """
+
+    @wp.kernel
+    def lattice_atm(
+        owned: wp.array(dtype=wp.int32),
+        nbr_start: wp.array(dtype=wp.int32),
+        nbr_atom: wp.array(dtype=wp.int32),
+        nbr_shift: wp.array(dtype=wp.vec3i),
+        nbr_vec: wp.array(dtype=wp.vec3d),
+        nbr_c6: wp.array(dtype=wp.float64),
+        species: wp.array(dtype=wp.int32),
+        n_species: wp.int32,
+        r0: wp.array(dtype=wp.float64),
+        ref_weights: wp.array2d(dtype=wp.float64),
+        v: wp.array3d(dtype=wp.float64),
+        s9: wp.float64,
+        rc2: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        u: wp.array3d(dtype=wp.float64),
+        nbr_grad: wp.array(dtype=wp.float64),
+        vir: wp.array(dtype=wp.mat33d),
+    ):
+        k = wp.tid()
+        a = owned[k]
+        sa = species[a]
+        n_ref = ref_weights.shape[1]
+        zero = wp.vec3i(0, 0, 0)
+        energy_a = wp.float64(0.0)
+        force_a = wp.vec3d()
+        vir_a = wp.mat33d()
+        third = wp.float64(1.0) / wp.float64(3.0)
+        for p in range(nbr_start[k], nbr_start[k + 1]):
+            b = nbr_atom[p]
+            tb = nbr_shift[p]
+            dab = nbr_vec[p]
+            x = wp.dot(dab, dab)
+            sb = species[b]
+            c6ab = nbr_c6[p]
+            r0ab = r0[sa * n_species + sb]
+            grad_ab = wp.float64(0.0)
+            for q in range(p + 1, nbr_start[k + 1]):
+                dac = nbr_vec[q]
+                dbc = dac - dab
+                z = wp.dot(dbc, dbc)
+                if z > rc2:
+                    continue
+                c = nbr_atom[q]
+                tc = nbr_shift[q]
+                rank = int(0)  # noqa: UP018 - Warp: a dynamic variable
+                if _member_less(b, tb, a, zero):
+                    rank += 1
+                if _member_less(c, tc, a, zero):
+                    rank += 1
+                if rank != (a + b + c) % 3:
+                    continue  # another member's thread evaluates this triple
+                sc = species[c]
+                y = wp.dot(dac, dac)
+                c6ac = nbr_c6[q]
+                c6bc = wp.float64(0.0)
+                for ref in range(n_ref):
+                    c6bc += v[b, sc, ref] * ref_weights[c, ref]
+                c9 = s9 * wp.sqrt(c6ab * c6ac * c6bc)
+                rr0 = r0ab * r0[sa * n_species + sc] * r0[sb * n_species + sc]
+                r2 = x * y * z
+                r1 = wp.sqrt(r2)
+                r3 = r1 * r2
+                r5 = r3 * r2
+                damp_term = wp.float64(6.0) * wp.pow(rr0 / r1, wp.float64(16.0) / wp.float64(3.0))
+                fdamp = wp.float64(1.0) / (wp.float64(1.0) + damp_term)
+                ea = x + z - y
+                eb = x + y - z
+                ec = y + z - x
+                poly = ea * eb * ec
+                ang = wp.float64(0.375) * poly / r5 + wp.float64(1.0) / r3
+                energy = c9 * fdamp * ang
+                # d/dx of fdamp (x = r_ab^2; y, z alike): fdamp^2 damp_term (8/3) / x.
+                ddamp = fdamp * fdamp * damp_term * wp.float64(8.0) / wp.float64(3.0)
+                common_x = wp.float64(0.375) * (eb * ec + ea * ec - ea * eb) / r5
+                common_y = wp.float64(0.375) * (ea * ec + ea * eb - eb * ec) / r5
+                common_z = wp.float64(0.375) * (eb * ec + ea * eb - ea * ec) / r5
+                tail = wp.float64(0.375) * wp.float64(2.5) * poly / r5 + wp.float64(1.5) / r3
+                de_dx = c9 * (ddamp / x * ang + fdamp * (common_x - tail / x))
+                de_dy = c9 * (ddamp / y * ang + fdamp * (common_y - tail / y))
+                de_dz = c9 * (ddamp / z * ang + fdamp * (common_z - tail / z))
+                gab = wp.float64(2.0) * de_dx * dab  # dE/d(r_b - r_a)
+                gac = wp.float64(2.0) * de_dy * dac
+                gbc = wp.float64(2.0) * de_dz * dbc
+                share = energy * third
+                energy_a += share
+                wp.atomic_add(energies, b, share)
+                wp.atomic_add(energies, c, share)
+                force_a += gab + gac
+                wp.atomic_add(forces, b, gbc - gab)
+                wp.atomic_sub(forces, c, gac + gbc)
+                if wp.static(virial):
+                    vir_a += wp.outer(dab, gab) + wp.outer(dac, gac) + wp.outer(dbc, gbc)
+                # E grows as sqrt(C6ab C6ac C6bc): dE/dC6 = E / (2 C6) for each pair.
+                grad_ab += energy / (wp.float64(2.0) * c6ab)
+                wp.atomic_add(nbr_grad, q, energy / (wp.float64(2.0) * c6ac))
+                g_bc = energy / (wp.float64(2.0) * c6bc)
+                for ref in range(n_ref):
+                    wp.atomic_add(u, b, sc, ref, g_bc * ref_weights[c, ref])
+                    wp.atomic_add(u, c, sb, ref, g_bc * ref_weights[b, ref])
+            wp.atomic_add(nbr_grad, p, grad_ab)
+        wp.atomic_add(energies, a, energy_a)
+        wp.atomic_add(forces, a, force_a)
+        if wp.static(virial):
+            vir[k] = vir_a
+
+    return lattice_atm
+
+
+lattice_atm = _atm_kernel(False)
+lattice_atm_virial = _atm_kernel(True)

@@ -28,10 +28,12 @@ __all__ = [
     "d3_two_body_autograd",
     "ghost_pairs_once",
     "keeps_chain_terms",
+    "lattice_atm",
     "lattice_cells",
     "lattice_cn_chain",
     "lattice_coordination_numbers",
     "lattice_kernel_available",
+    "lattice_neighbours",
     "lattice_two_body",
 ]
 
@@ -291,6 +293,11 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
     outs = [outputs["cn"], outputs["energies"], outputs["forces"], wp.from_torch(outputs["u"])]
     outs += [wp.from_torch(outputs["vir"], dtype=wp.mat33d)]
     outs += [wp.from_torch(outputs["pair_grad"], dtype=wp.vec3d), wp.from_torch(outputs["pair_outer"], dtype=wp.mat33d)]
+    no_list = torch.zeros(0, dtype=torch.int32, device=device)
+    lists = inputs.get("neighbours", {})
+    outs += [lists.get("start", no_list), lists.get("count", no_list), lists.get("atom", no_list)]
+    outs += [wp.from_torch(lists.get("shift", torch.zeros(0, 3, dtype=torch.int32, device=device)), dtype=wp.vec3i)]
+    outs += [wp.from_torch(lists.get("vec", torch.zeros(0, 3, dtype=dtype, device=device)), dtype=wp.vec3d)]
     if owned.numel():
         launch(warp_kernel(name, "_warp_d3"), owned.numel(), device, args, outs)
     outputs["vir"] = outputs["vir"].sum(dim=0) if virial else None
@@ -380,3 +387,77 @@ def lattice_two_body(
     }
     name = ("lattice_zero" if zero_damping else "lattice_bj") + ("_virial" if virial else "")
     return _lattice_launch(name, owned, cells, species.to(torch.int32).contiguous(), inputs, virial)
+
+
+def lattice_neighbours(owned: torch.Tensor, cells: LatticeCells) -> dict:
+    """Every neighbour image ``(j, t)`` within ``cells.cutoff`` of each ``owned`` atom, in CSR form (two walks: count, fill).
+
+    ``start`` (threads + 1,), and per entry ``atom``, ``shift`` (the
+    translation ``t``, in cells) and ``vec`` (``r_j + t @ cell - r_i``).
+    """
+    n, device = owned.numel(), cells.positions.device
+    species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=device)
+    count = torch.zeros(n, dtype=torch.int32, device=device)
+    _lattice_launch("lattice_neighbour_count", owned, cells, species, {"want": (), "neighbours": {"count": count}}, False)
+    start = torch.zeros(n + 1, dtype=torch.int32, device=device)
+    start[1:] = torch.cumsum(count, 0)
+    total = int(start[-1])
+    lists = {
+        "start": start,
+        "atom": torch.zeros(total, dtype=torch.int32, device=device),
+        "shift": torch.zeros(total, 3, dtype=torch.int32, device=device),
+        "vec": torch.zeros(total, 3, dtype=cells.positions.dtype, device=device),
+    }
+    _lattice_launch("lattice_neighbour_fill", owned, cells, species, {"want": (), "neighbours": lists}, False)
+    return lists
+
+
+def lattice_atm(
+    owned: torch.Tensor,
+    neighbours: dict,
+    species: torch.Tensor,
+    ref_weights: torch.Tensor,
+    v: torch.Tensor,
+    r0: torch.Tensor,
+    s9: float,
+    cutoff: float,
+    virial: bool,
+) -> dict:
+    """This rank's share of the ATM three-body energy over lattice images: ``energies``, ``forces``, ``u``, ``vir``.
+
+    ``neighbours``: :func:`lattice_neighbours` at ``cutoff``. ``r0``: the
+    species-pair damping radii (``RS9 R0AB``, flattened); ``s9``: the ATM
+    scale in the energy's units (``s9 / sqrt(Hartree)`` for C6 in eV Å^6).
+    ``u`` as in :func:`lattice_two_body`, so the weights' gradient is one contraction for both terms.
+    """
+    wp = warp_module()
+    n, dtype, device = ref_weights.shape[0], ref_weights.dtype, ref_weights.device
+    species = species.to(torch.int32).contiguous()
+    first = torch.repeat_interleave(owned.long(), torch.diff(neighbours["start"]).long())  # the centre of each entry
+    second = neighbours["atom"].long()
+    sidx = species.long()
+    pair_c6 = (v[first, sidx[second]] * ref_weights[second]).sum(dim=1).contiguous()
+    out = {
+        "energies": torch.zeros(n, dtype=dtype, device=device),
+        "forces": torch.zeros(n, 3, dtype=dtype, device=device),
+        "u": torch.zeros_like(v),
+        "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
+    }
+    pair_grad = torch.zeros_like(pair_c6)
+    inputs = [owned, neighbours["start"], neighbours["atom"], neighbours["shift"], neighbours["vec"], pair_c6, species]
+    inputs += [
+        int(v.shape[1]),
+        r0.contiguous(),
+        wp.from_torch(ref_weights.contiguous()),
+        wp.from_torch(v.contiguous()),
+        float(s9),
+        cutoff**2,
+    ]
+    outputs = [out["energies"], out["forces"], wp.from_torch(out["u"]), pair_grad, wp.from_torch(out["vir"], dtype=wp.mat33d)]
+    if owned.numel():
+        launch(warp_kernel("lattice_atm_virial" if virial else "lattice_atm", "_warp_d3"), owned.numel(), device, inputs, outputs)
+    # dE/dC6 of each (centre, neighbour) pair into u, at both ends, as the kernel does for the third pair.
+    out["u"].index_put_((first, sidx[second]), pair_grad[:, None] * ref_weights[second], accumulate=True)
+    out["u"].index_put_((second, sidx[first]), pair_grad[:, None] * ref_weights[first], accumulate=True)
+    out["vir"] = out["vir"].sum(dim=0) if virial else None
+    return out

@@ -70,10 +70,12 @@ from ..kernels.dftd3 import (
     d3_two_body_autograd,
     ghost_pairs_once,
     keeps_chain_terms,
+    lattice_atm,
     lattice_cells,
     lattice_cn_chain,
     lattice_coordination_numbers,
     lattice_kernel_available,
+    lattice_neighbours,
     lattice_two_body,
 )
 from ..kernels.pairs import HalfList, uniform_scale
@@ -349,8 +351,8 @@ class DFTD3(Model):
 
     @property
     def lattice(self) -> bool:
-        """Lattice sums (no ATM, Warp available): periodic images are summed in the kernels, never rows of the view."""
-        return self.s9 == 0.0 and lattice_kernel_available(torch.float64)
+        """Lattice sums (Warp available): periodic images are summed in the kernels, never rows of the view."""
+        return lattice_kernel_available(torch.float64)
 
     @property
     def interaction_cutoff(self) -> float:
@@ -506,12 +508,25 @@ class DFTD3(Model):
             c6_of = _C6(numbers, cn, self.c6ref, self.ref_cn, self.n_ref)
         pair_cells = lattice_cells(positions, cell, view.pbc, self.disp2_cutoff)
         tables = self._kernel_tables(c6_of, f64)
-        two = lattice_two_body(threads, pair_cells, c6_of.sidx, c6_of.w.detach(), c6_of.v.detach(), tables, self.damping == "zero", virial)
-        (cn_grad,) = torch.autograd.grad(c6_of.w, cn, self._weight_gradient(c6_of, two["u"]))
+        terms = [
+            lattice_two_body(threads, pair_cells, c6_of.sidx, c6_of.w.detach(), c6_of.v.detach(), tables, self.damping == "zero", virial)
+        ]
+        if self.s9 != 0.0:
+            terms.append(self._lattice_atm(threads, positions, cell, view.pbc, c6_of, virial))
+        (cn_grad,) = torch.autograd.grad(c6_of.w, cn, self._weight_gradient(c6_of, sum(t["u"] for t in terms)))
         cn_grad = view.global_sum(cn_grad)
         chain_forces, chain_virial = lattice_cn_chain(threads, cn_cells, rcov, K1, cn_grad, virial, kept)
-        total = view.global_sum(torch.cat([two["forces"] + chain_forces, two["energies"][:, None]], dim=1))[owned]
-        return total[:, 3], total[:, :3], None if not virial else -(two["vir"] + chain_virial)
+        forces = chain_forces + sum(t["forces"] for t in terms)
+        total = view.global_sum(torch.cat([forces, sum(t["energies"] for t in terms)[:, None]], dim=1))[owned]
+        return total[:, 3], total[:, :3], None if not virial else -(chain_virial + sum(t["vir"] for t in terms))
+
+    def _lattice_atm(self, threads, positions, cell, pbc, c6_of: _C6, virial: bool) -> dict:
+        """The ATM term by lattice sums (:func:`~halopipe.kernels.dftd3.lattice_atm`): neighbour images listed, then triples."""
+        neighbours = lattice_neighbours(threads, lattice_cells(positions, cell, pbc, self.atm_cutoff))
+        r0 = (RS9 * self.r0ab[c6_of.species][:, c6_of.species]).to(positions.dtype).reshape(-1)
+        # C9 = s9 sqrt(C6 C6 C6) is defined in atomic units: with C6 in eV Å^6 one sqrt(Hartree) is divided out.
+        scale = self.s9 / math.sqrt(units.Hartree)
+        return lattice_atm(threads, neighbours, c6_of.sidx, c6_of.w.detach(), c6_of.v.detach(), r0, scale, self.atm_cutoff, virial)
 
     @staticmethod
     def _weight_gradient(c6_of: _C6, u: torch.Tensor) -> torch.Tensor:

@@ -208,9 +208,10 @@ def test_atm_against_sdftd3(system: str, damping: str, s9: float) -> None:
 
 @pytest.mark.parametrize("system", ["si_diamond", "graphite"])
 def test_atm_in_small_chunks_against_sdftd3(system: str, monkeypatch) -> None:
-    """Chunks of about 500 candidate triples (here one per atom, each recomputed in the backward): s-dftd3's values."""
+    """The ghost-row path (no Warp): chunks of about 500 candidate triples (one per atom, recomputed in the backward)."""
     import halopipe.models.dftd3 as d3
 
+    monkeypatch.setattr(d3.DFTD3, "lattice", property(lambda self: False))  # as without Warp
     counted = []
     chunks = d3._chunks_of_triples
     monkeypatch.setattr(d3, "TRIPLE_CHUNK", 500)
@@ -236,12 +237,13 @@ def test_cutoff_attribute_covers_every_term() -> None:
     assert DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=0.0, atm_cutoff=9.0).interaction_cutoff == 8.0
 
 
-def test_halo_of_lattice_sums_and_of_atm() -> None:
-    """Lattice sums need no ghost rows; with ATM the view's rows reach every term's cutoff."""
-    lattice = DFTD3(cutoff=50.0, cn_cutoff=21.0)
-    assert lattice.lattice and lattice.halo == 0.0 and not lattice.ghost_forces
-    atm = DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=1.0, atm_cutoff=9.0)
-    assert not atm.lattice and atm.halo == 9.0 and atm.ghost_forces
+def test_halo_of_lattice_sums_and_of_ghost_rows(monkeypatch) -> None:
+    """Lattice sums (with or without ATM) need no ghost rows; without Warp the view's rows reach every term's cutoff."""
+    plain, atm = DFTD3(cutoff=50.0, cn_cutoff=21.0), DFTD3(cutoff=8.0, cn_cutoff=6.0, s9=1.0, atm_cutoff=9.0)
+    for model in (plain, atm):
+        assert model.lattice and model.halo == 0.0 and not model.ghost_forces
+    monkeypatch.setattr(DFTD3, "lattice", property(lambda self: False))  # as without Warp
+    assert plain.halo == 50.0 and atm.halo == 9.0 and atm.ghost_forces
 
 
 def test_conformance_periodic() -> None:
