@@ -324,6 +324,7 @@ def _atm_kernel(virial: bool):
         nbr_shift: wp.array(dtype=wp.vec3i),
         nbr_vec: wp.array(dtype=wp.vec3d),
         nbr_c6: wp.array(dtype=wp.float64),
+        nbr_inv_c6: wp.array(dtype=wp.float64),
         species: wp.array(dtype=wp.int32),
         n_species: wp.int32,
         r0: wp.array(dtype=wp.float64),
@@ -378,27 +379,30 @@ def _atm_kernel(virial: bool):
                     c6bc += v[b, sc, ref] * ref_weights[c, ref]
                 c9 = s9 * wp.sqrt(c6ab * c6ac * c6bc)
                 rr0 = r0ab * r0[sa * n_species + sc] * r0[sb * n_species + sc]
-                r2 = x * y * z
-                r1 = wp.sqrt(r2)
-                r3 = r1 * r2
-                r5 = r3 * r2
-                damp_term = wp.float64(6.0) * wp.pow(rr0 / r1, wp.float64(16.0) / wp.float64(3.0))
+                # Few divisions: everything from 1 / (r_ab r_ac r_bc)^2 (a division costs tens of multiplies).
+                inv_r2 = wp.float64(1.0) / (x * y * z)
+                inv_r3 = inv_r2 * wp.sqrt(inv_r2)
+                inv_r5 = inv_r3 * inv_r2
+                t = rr0 * rr0 * inv_r2  # (r0 / r1)^2: the damping's (r0 / r1)^(16/3) is t^(8/3)
+                cube_root = wp.cbrt(t)
+                damp_term = wp.float64(6.0) * t * t * cube_root * cube_root
                 fdamp = wp.float64(1.0) / (wp.float64(1.0) + damp_term)
                 ea = x + z - y
                 eb = x + y - z
                 ec = y + z - x
                 poly = ea * eb * ec
-                ang = wp.float64(0.375) * poly / r5 + wp.float64(1.0) / r3
+                ang = wp.float64(0.375) * poly * inv_r5 + inv_r3
                 energy = c9 * fdamp * ang
                 # d/dx of fdamp (x = r_ab^2; y, z alike): fdamp^2 damp_term (8/3) / x.
                 ddamp = fdamp * fdamp * damp_term * wp.float64(8.0) / wp.float64(3.0)
-                common_x = wp.float64(0.375) * (eb * ec + ea * ec - ea * eb) / r5
-                common_y = wp.float64(0.375) * (ea * ec + ea * eb - eb * ec) / r5
-                common_z = wp.float64(0.375) * (eb * ec + ea * eb - ea * ec) / r5
-                tail = wp.float64(0.375) * wp.float64(2.5) * poly / r5 + wp.float64(1.5) / r3
-                de_dx = c9 * (ddamp / x * ang + fdamp * (common_x - tail / x))
-                de_dy = c9 * (ddamp / y * ang + fdamp * (common_y - tail / y))
-                de_dz = c9 * (ddamp / z * ang + fdamp * (common_z - tail / z))
+                common_x = wp.float64(0.375) * (eb * ec + ea * ec - ea * eb) * inv_r5
+                common_y = wp.float64(0.375) * (ea * ec + ea * eb - eb * ec) * inv_r5
+                common_z = wp.float64(0.375) * (eb * ec + ea * eb - ea * ec) * inv_r5
+                tail = wp.float64(0.9375) * poly * inv_r5 + wp.float64(1.5) * inv_r3  # 0.375 * 2.5 = 0.9375
+                per_x = ddamp * ang - fdamp * tail  # (d E / d x) x / c9, minus the polynomial's own part
+                de_dx = c9 * (per_x * y * z * inv_r2 + fdamp * common_x)
+                de_dy = c9 * (per_x * x * z * inv_r2 + fdamp * common_y)
+                de_dz = c9 * (per_x * x * y * inv_r2 + fdamp * common_z)
                 gab = wp.float64(2.0) * de_dx * dab  # dE/d(r_b - r_a)
                 gac = wp.float64(2.0) * de_dy * dac
                 gbc = wp.float64(2.0) * de_dz * dbc
@@ -412,9 +416,10 @@ def _atm_kernel(virial: bool):
                 if wp.static(virial):
                     vir_a += wp.outer(dab, gab) + wp.outer(dac, gac) + wp.outer(dbc, gbc)
                 # E grows as sqrt(C6ab C6ac C6bc): dE/dC6 = E / (2 C6) for each pair.
-                grad_ab += energy / (wp.float64(2.0) * c6ab)
-                wp.atomic_add(nbr_grad, q, energy / (wp.float64(2.0) * c6ac))
-                g_bc = energy / (wp.float64(2.0) * c6bc)
+                half_energy = wp.float64(0.5) * energy
+                grad_ab += half_energy * nbr_inv_c6[p]
+                wp.atomic_add(nbr_grad, q, half_energy * nbr_inv_c6[q])
+                g_bc = half_energy / c6bc
                 for ref in range(n_ref):
                     wp.atomic_add(u, b, sc, ref, g_bc * ref_weights[c, ref])
                     wp.atomic_add(u, c, sb, ref, g_bc * ref_weights[b, ref])

@@ -444,7 +444,7 @@ def lattice_atm(
         "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
     }
     pair_grad = torch.zeros_like(pair_c6)
-    inputs = [owned, neighbours["start"], neighbours["atom"], neighbours["shift"], neighbours["vec"], pair_c6, species]
+    inputs = [owned, neighbours["start"], neighbours["atom"], neighbours["shift"], neighbours["vec"], pair_c6, 1.0 / pair_c6, species]
     inputs += [
         int(v.shape[1]),
         r0.contiguous(),
