@@ -65,10 +65,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..kernels.dftd3 import (
     D3Tables,
-    d3_coordination_numbers,
-    d3_kernel_available,
-    d3_two_body_autograd,
-    ghost_pairs_once,
     keeps_chain_terms,
     lattice_atm,
     lattice_cells,
@@ -78,7 +74,7 @@ from ..kernels.dftd3 import (
     lattice_neighbours,
     lattice_two_body,
 )
-from ..kernels.pairs import HalfList, uniform_scale
+from ..kernels.pairs import uniform_scale
 from .base import LocalView, Model, ModelOutput, check_positive_length, direct_by_local_autograd
 
 __all__ = ["DEFAULT_ATM_CUTOFF", "DEFAULT_CN_CUTOFF", "DEFAULT_CUTOFF", "DFTD3", "known_functionals"]
@@ -331,7 +327,6 @@ class DFTD3(Model):
         self.functional, self.damping, self.params = str(functional), damping, p
         self.s9 = float(s9)
         self.disp2_cutoff, self.cn_cutoff, self.atm_cutoff = float(cutoff), float(cn_cutoff), float(atm_cutoff)
-        self._half: tuple | None = None  # (view pairs, HalfList) of the last rebuild, compiled path
 
         d = _reference()
         z = np.arange(d["r4r2"].shape[0], dtype=np.float64)
@@ -369,11 +364,6 @@ class DFTD3(Model):
         """Lattice sums return complete forces on the owned atoms; the halo path folds its ghost rows' forces home."""
         return not self.lattice
 
-    @property
-    def half_list(self) -> bool:
-        """Halo path with compiled kernels (BJ, no ATM, Warp available): the view brings a half list."""
-        return not self.lattice and self.damping == "bj" and self.s9 == 0.0 and d3_kernel_available(torch.float64)
-
     def extra_repr(self) -> str:
         return (
             f"functional={self.functional!r}, damping={self.damping!r}, cutoff={self.disp2_cutoff:.3f}, "
@@ -394,9 +384,9 @@ class DFTD3(Model):
         return -(p["s6"] * c6 * f6 / r**6 + p["s8"] * c8 * f8 / r**8)
 
     def _kernel_tables(self, c6_of: _C6, dtype: torch.dtype) -> D3Tables:
-        """Per species pair tables of the compiled kernels (the same quantities as :meth:`_pair_energy`).
+        """Per species pair tables of the lattice kernels (the same quantities as :meth:`_pair_energy`).
 
-        ``r0_6``/``r0_8``: ``R0^6``/``R0^8`` (BJ), or ``(rs6 R0AB)^2``/``(rs8 R0AB)^2`` (zero damping, lattice kernels).
+        ``r0_6``/``r0_8``: ``R0^6``/``R0^8`` (BJ), or ``(rs6 R0AB)^2``/``(rs8 R0AB)^2`` (zero damping).
         """
         p = self.params
         q = self.q[c6_of.species].to(dtype)
@@ -409,13 +399,9 @@ class DFTD3(Model):
             q6, q8 = (p["rs6"] * r0) ** 2, (p["rs8"] * r0) ** 2
         flat = lambda x: x.reshape(-1).contiguous()  # noqa: E731
         n_species = int(c6_of.species.numel())
-        return D3Tables(flat(c6_of.table), flat(qq), flat(q6), flat(q8), n_species, c6_of.n_ref, p["s6"], p["s8"], self.disp2_cutoff)
+        return D3Tables(flat(qq), flat(q6), flat(q8), n_species, p["s6"], p["s8"])
 
     def _two_body(self, view: LocalView, c6_of: _C6, energies: torch.Tensor) -> torch.Tensor:
-        if self.damping == "bj" and d3_kernel_available(view.positions.dtype):
-            half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list)
-            tables = self._kernel_tables(c6_of, view.positions.dtype)
-            return energies + d3_two_body_autograd(view.positions, c6_of.w, c6_of.sidx, half, tables, view.n_owned)
         keep = view.distances <= self.disp2_cutoff
         i, j, r = view.pairs[0][keep], view.pairs[1][keep], view.distances[keep]
         e = self._pair_energy(r, c6_of(i, j), view.numbers[i], view.numbers[j])
@@ -539,8 +525,6 @@ class DFTD3(Model):
 
     def _energies(self, view: LocalView) -> torch.Tensor:
         self._check_numbers(view.numbers)
-        if view.half_list:
-            return self._kernel_energies(view)
         dtype = view.positions.dtype
         cn = coordination_numbers(view, self.rcov.to(dtype), self.cn_cutoff)
         c6_of = _C6(view.numbers, cn, self.c6ref, self.ref_cn, self.n_ref)
@@ -549,18 +533,3 @@ class DFTD3(Model):
         if self.s9 != 0.0:
             energies = self._three_body(view, c6_of, energies)
         return energies
-
-    def _kernel_energies(self, view: LocalView) -> torch.Tensor:
-        """Two-body D3(BJ) through the compiled kernels, in float64: CN of owned rows, refreshed to ghosts, then pairs."""
-        f64 = torch.float64
-        rows = view.positions.to(f64)
-        cached = self._half
-        if cached is None or cached[0] is not view.pairs:
-            half = HalfList.from_pairs(view.pairs, view.n_owned, True)
-            # Coordination numbers need every pair of an owned row; the two-body sum takes each ghost pair on one side.
-            self._half = cached = (view.pairs, half, ghost_pairs_once(half, view.ids, rows.detach(), view.n_owned))
-        _, half, once = cached
-        cn_owned = d3_coordination_numbers(rows, self.rcov[view.numbers].to(f64), half, K1, self.cn_cutoff, view.n_owned)
-        c6_of = _C6(view.numbers, view.refresh(cn_owned), self.c6ref, self.ref_cn, self.n_ref)
-        tables = self._kernel_tables(c6_of, f64)
-        return d3_two_body_autograd(rows, c6_of.w, c6_of.sidx, once, tables, view.n_owned, ghosts_once=True).to(view.positions.dtype)
