@@ -23,29 +23,27 @@ The optional three-body Axilrod-Teller-Muto term (``s9``) adds, for each triple,
 times ``1 / (1 + 6 (r_mean / (4/3 R0_mean))^-16)`` (geometric means of the three
 distances and of their R0AB; the form s-dftd3 uses with either damping).
 Triples must have all three distances within ``atm_cutoff``, as in s-dftd3;
-they are enumerated as pairs of neighbours of an owned centre, (neighbours
-within ``atm_cutoff``)^2 per atom. To keep memory bounded on dense solids the
-owned centres are taken in chunks of about ``TRIPLE_CHUNK`` candidate triples
-(at most that plus one centre's), and each chunk's graph is
-recomputed in the backward pass instead of kept (activation checkpointing), so
-forces and stress cost one chunk's memory, not all triples'. The time still
-grows with the triples: at the default 21.2 Å cutoff a dense solid has about
+they are enumerated as pairs of neighbours of a centre, (neighbours within
+``atm_cutoff``)^2 per atom: at the default 21.2 Å a dense solid has about
 10^5-10^6 triples per atom.
 
-Periodic images: the cutoffs (50 Å) usually exceed the cell, so without ATM
-the sums run over lattice translations inside the kernels
-(:mod:`halopipe.kernels.dftd3`, "lattice sums"), as s-dftd3 does: every rank
-holds every atom's position (one global sum), its threads take half of its
-owned atoms' pairs with all their images, and global sums of per-atom
-vectors bring the coordination numbers, ``dE/dCN`` and the pair forces home.
-No image is a ghost row, so D3 asks for no halo. Pair energies are split
-half/half between the two atoms (s-dftd3's atom-resolved energies).
+Periodic images: the cutoffs (50 Å) usually exceed the cell, so the sums run
+over lattice translations inside the kernels (:mod:`halopipe.kernels.dftd3`,
+"lattice sums"), as s-dftd3 does: every rank holds every atom's position
+(one global sum), its threads take their share of its owned atoms' pairs and
+triples with all their images, and global sums of per-atom vectors bring the
+coordination numbers, ``dE/dCN`` and the forces home. No image is a ghost
+row, so D3 asks for no halo. Pair energies are split half/half between the
+two atoms, triple energies a third to each (s-dftd3's atom-resolved energies).
 
-With ATM (and without Warp) D3 works on ghost rows: a CN needs all neighbours
-of its atom, so CNs are computed for owned rows and ghosts receive theirs from
-their owners through ``view.refresh``; a triple gives a third of its energy to
-each member as centre, so the sum over owned atoms counts every pair and
-triple exactly once.
+Without Warp D3 works on ghost rows in torch: a CN needs all neighbours of
+its atom, so CNs are computed for owned rows and ghosts receive theirs from
+their owners through ``view.refresh``; a triple gives a third of its energy
+to each member as centre, so the sum over owned atoms counts every pair and
+triple exactly once. To keep memory bounded on dense solids the owned centres
+are taken in chunks of about ``TRIPLE_CHUNK`` candidate triples (at most that
+plus one centre's), and each chunk's graph is recomputed in the backward pass
+instead of kept (activation checkpointing).
 
 Reference values: Grimme et al., J. Chem. Phys. 132, 154104 (2010), shipped in
 ``data/dftd3_reference.npz`` (see ``data/README.md``). Units inside: eV and Å.
@@ -262,7 +260,7 @@ class _LatticeSum(torch.autograd.Function):
         if scale is None:
             raise RuntimeError(
                 "DFTD3: lattice sums differentiate the total energy only, not a weighted sum of per-atom energies; "
-                "use DFTD3(..., s9=...) with ATM or HALOPIPE_KERNELS=torch for the per-row path"
+                "differentiate the total energy, or run with HALOPIPE_KERNELS=torch for the per-row path"
             )
         grad_cell = None
         if ctx.needs_input_grad[1]:
@@ -291,14 +289,13 @@ class DFTD3(Model):
 
     Notes
     -----
-    Without ATM (``s9 = 0``, BJ or zero damping, Warp available) the sums run
-    over lattice images in compiled kernels (:attr:`lattice`): the view needs
-    no pairs and no ghost rows (``cutoff`` and ``halo`` are 0;
-    :attr:`interaction_cutoff` is the reach), and forces, energies and the
-    virial come out of the kernels, complete on the owned atoms. With ATM,
-    the model's ``cutoff`` (its neighbour list and halo) is the largest of
-    the three cutoffs, each term masks its own, and forces and stress come
-    from autograd (the BJ two-body term in half-list kernels).
+    Where Warp loads (:attr:`lattice`), the sums run over lattice images in
+    compiled kernels: the view needs no pairs and no ghost rows (``cutoff``
+    and ``halo`` are 0; :attr:`interaction_cutoff` is the reach), and forces,
+    energies and the virial come out of the kernels, complete on the owned
+    atoms. Without Warp, the model's ``cutoff`` (its neighbour list and halo)
+    is the largest of the three cutoffs, each term masks its own, and forces
+    and stress come from torch autograd.
     """
 
     direct_forces = True  # lattice sums give forces and virial; the ghost-row path differentiates locally
