@@ -42,7 +42,8 @@ Rows and peers:
   sphere (distinct (i, j, image) pairs, an exact lattice sum), to show how
   each code's time follows the pair count.
 
-What a D3 measurement times: ``pipeline(system, stress=True)`` on the same
+What a D3 measurement times: ``pipeline(system, stress=True)`` (``stress=False``
+with ``--d3-stress no``: energy and forces, what an MD step asks for) on the same
 system, called again and again as a user would call it, after two untimed
 calls (the first compiles the kernels and builds the ghost atoms and the
 pair list, which later calls reuse because no atom has moved by more than
@@ -190,7 +191,7 @@ def write_configuration(case: str, path: Path, d3: dict | None = None) -> None:
     charges = np.where(atoms.numbers == 11, 1.0, np.where(atoms.numbers == 17, -1.0, 0.0))
     arrays = dict(positions=atoms.positions, cell=atoms.cell.array, numbers=atoms.numbers, masses=masses, velocities=velocities)
     if d3 is not None:
-        arrays["d3"] = np.array([d3["cutoff"], d3["cn_cutoff"], d3["atm_cutoff"], d3["s9"]])
+        arrays["d3"] = np.array([d3["cutoff"], d3["cn_cutoff"], d3["atm_cutoff"], d3["s9"], d3["stress"]])
     np.savez(path, charges=charges, **arrays)
 
 
@@ -202,8 +203,8 @@ def _d3_structures():
     return d3_structures
 
 
-def d3_settings(case: str, cutoff_names: list[str], atm_cutoff: float | None = None) -> list[dict]:
-    """The D3 rows of ``case``: cutoffs (Å) and s9 of each.
+def d3_settings(case: str, cutoff_names: list[str], atm_cutoff: float | None = None, stress: bool = True) -> list[dict]:
+    """The D3 rows of ``case``: cutoffs (Å), s9 and whether halopipe computes the stress, of each.
 
     The two-body cutoffs are limited to ``cutoff_names`` where a case has
     both; ``atm_cutoff`` (Å) replaces the default 40 bohr.
@@ -217,7 +218,7 @@ def d3_settings(case: str, cutoff_names: list[str], atm_cutoff: float | None = N
     else:
         names = [name for name in cutoffs if name in cutoff_names] if len(cutoffs) > 1 else cutoffs
         two_body = [D3_CUTOFFS[name] * Bohr for name in names]
-    return [dict(cutoff=c, cn_cutoff=D3_CN_CUTOFF * Bohr, atm_cutoff=atm_cutoff, s9=s9) for c in two_body]
+    return [dict(cutoff=c, cn_cutoff=D3_CN_CUTOFF * Bohr, atm_cutoff=atm_cutoff, s9=s9, stress=float(stress)) for c in two_body]
 
 
 def _mace_atoms(rng):
@@ -283,7 +284,7 @@ def _halopipe_pipeline(case: str, data):
         lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
         pme = PME(NACL["cutoff"], NACL["pme_accuracy"])
         return Pipeline([Group([Step(lj)], autograd=False), Group([Step(pme)], autograd=True)], config=config)
-    cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"])
+    cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"][:4])
     # the group's kind inferred: direct forces from the compiled kernels without ATM, autograd with it
     return Pipeline([DFTD3("pbe", cutoff=cutoff, cn_cutoff=cn_cutoff, s9=s9, atm_cutoff=atm_cutoff)], config=config)
 
@@ -310,7 +311,7 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
     )
     pipeline = _halopipe_pipeline(case, data)
     if case in EVAL_CASES:
-        return _halopipe_evaluations(case, pipeline, system, steps, out)
+        return _halopipe_evaluations(case in D3_CASES and bool(data["d3"][4]), pipeline, system, steps, out)
     dt = LJ_ARGON["dt_fs"] if case.startswith("lj") else NACL["dt_fs"]
     system.fields["velocities"] = torch.tensor(data["velocities"])
     sim = Simulation(pipeline, system if rank == 0 else None, VelocityVerlet(dt))
@@ -327,13 +328,12 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
     return {"seconds": seconds, "energy": energy}
 
 
-def _halopipe_evaluations(case: str, pipeline, system, evals: int, out: str) -> dict:
+def _halopipe_evaluations(stress: bool, pipeline, system, evals: int, out: str) -> dict:
     """Time ``evals`` evaluations of one configuration, scattered once (the plan and pair list are reused, as in MD)."""
     import torch
 
     from halopipe.distributed import scatter_for_pipeline
 
-    stress = case in D3_CASES
     sharded = scatter_for_pipeline(system, pipeline.config)
     target = sharded if sharded is not None else system
     result = pipeline(target, stress=stress)  # the first evaluation: the cross-check, untimed
@@ -430,7 +430,7 @@ def dftd3_worker(case: str, config: str, steps: int, out: str) -> dict:
     from dftd3.interface import DispersionModel, RationalDampingParam
 
     data = np.load(config)
-    cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"])
+    cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"][:4])
     model = DispersionModel(data["numbers"], data["positions"] / bohr, data["cell"] / bohr, np.array([True] * 3))
     model.set_realspace_cutoff(cutoff / bohr, atm_cutoff / bohr, cn_cutoff / bohr)
     param = RationalDampingParam(method="pbe", atm=s9 != 0.0)  # its parameter file gives s9 = 1 with atm=True
@@ -662,7 +662,7 @@ def _peer_missing(case: str, peer: str, args) -> str | None:
 def _variants(case: str, args) -> list[tuple[int, dict | None]]:
     """The rows of ``case``: (ranks, D3 settings or None) each."""
     if case in D3_CASES:
-        return [(1, d3) for d3 in d3_settings(case, args.d3_cutoffs, args.d3_atm_cutoff)]
+        return [(1, d3) for d3 in d3_settings(case, args.d3_cutoffs, args.d3_atm_cutoff, args.d3_stress == "yes")]
     return [(nproc, None) for nproc in args.nproc]
 
 
@@ -692,6 +692,12 @@ def main(argv=None) -> int:
         "--d3-atm-cutoff",
         type=float,
         help="ATM cutoff of the d3-atm rows, Å (default 40 bohr = 21.17 Å, both codes' default; triples grow as its sixth power)",
+    )
+    parser.add_argument(
+        "--d3-stress",
+        choices=["yes", "no"],
+        default="yes",
+        help="halopipe's D3 rows with the stress (default) or energy and forces only (s-dftd3 computes its virial either way)",
     )
     parser.add_argument(
         "--peers-python",
@@ -762,7 +768,8 @@ def _note(d3: dict | None, n_atoms: int, relative_energy: float, peer_result: di
     """The note column: a D3 row's atoms, cutoffs and relative energy difference; LAMMPS's PPPM mesh."""
     if d3 is not None:
         atm = f", ATM {d3['atm_cutoff']:.2f} Å" if d3["s9"] else ""
-        return f"{n_atoms} atoms, rc {d3['cutoff']:.2f} Å, CN {d3['cn_cutoff']:.2f} Å{atm}, ΔE/E {relative_energy:.0e}"
+        what = "E+F+S" if d3["stress"] else "E+F"
+        return f"{n_atoms} atoms, {what}, rc {d3['cutoff']:.2f} Å, CN {d3['cn_cutoff']:.2f} Å{atm}, ΔE/E {relative_energy:.0e}"
     return f"LAMMPS PPPM mesh {peer_result['mesh']}" if peer_result.get("mesh") else ""
 
 

@@ -356,6 +356,9 @@ def _atm_kernel(virial: bool):
             c6ab = nbr_c6[p]
             r0ab = r0[sa * n_species + sb]
             grad_ab = wp.float64(0.0)
+            b_first = int(0)  # noqa: UP018 - Warp: a dynamic variable (1 when (b, t_b) precedes (a, 0))
+            if _member_less(b, tb, a, zero):
+                b_first = 1
             for q in range(p + 1, nbr_start[k + 1]):
                 dac = nbr_vec[q]
                 dbc = dac - dab
@@ -364,9 +367,7 @@ def _atm_kernel(virial: bool):
                     continue
                 c = nbr_atom[q]
                 tc = nbr_shift[q]
-                rank = int(0)  # noqa: UP018 - Warp: a dynamic variable
-                if _member_less(b, tb, a, zero):
-                    rank += 1
+                rank = b_first
                 if _member_less(c, tc, a, zero):
                     rank += 1
                 if rank != (a + b + c) % 3:
