@@ -470,10 +470,11 @@ class DFTD3(Model):
         """Owned energies, complete owned forces and this rank's virial share (or None) by lattice sums, in float64.
 
         Every rank holds every atom's position (one global sum of N rows, not
-        a ghost row per image), its threads take half of its owned atoms'
-        pairs (images summed in the kernel), and three more global sums of N
-        values bring the coordination numbers, ``dE/dCN`` and the pair
-        forces and energies, which land on both ends of each pair, to the owners.
+        a ghost row per image), its threads take their share of its owned
+        atoms' pairs and ATM triples (images summed in the kernels), and three
+        more global sums of N values bring the coordination numbers,
+        ``dE/dCN`` and the forces and energies, which land on every atom of a
+        pair or triple, to the owners.
         """
         f64, n = torch.float64, view.n_owned
         owned = view.ids[:n]
