@@ -32,6 +32,7 @@ _NAMES_BY_MODULE = {
     ],
     "halopipe.pipeline": ["Pipeline", "Group", "Step"],
     "halopipe.domain": ["DomainConfig"],
+    "halopipe.batch": ["Batch"],
     "halopipe.testing": ["check_model"],
     "halopipe.ase": ["Calculator"],
     "halopipe.distributed": ["ShardedSystem", "DistributedError"],
@@ -71,6 +72,7 @@ __all__ = [
     "Group",
     "Step",
     "DomainConfig",
+    "Batch",
     "check_model",
     "Calculator",
     "ShardedSystem",
@@ -92,6 +94,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # static tools see the eager imports
     from .ase import Calculator
+    from .batch import Batch
     from .distributed import DistributedError, ShardedSystem
     from .distributed.launch import SpawnError, spawn
     from .domain import DomainConfig

@@ -29,7 +29,7 @@ import torch
 
 from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
-from .neighbors import max_displacement
+from .neighbors import PairLists, max_displacement
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
@@ -64,12 +64,16 @@ class DomainConfig:
         ``"max"`` (every model gets the widest halo, as LAMMPS hybrid/overlay
         does; for comparison and benchmarks).
     timeout : seconds a rank waits for its peers before failing.
+    split_atoms : in a batch under a process group, a system with at least
+        ``split_atoms`` atoms per rank is split in space over all ranks;
+        smaller ones go whole to one rank each (:mod:`halopipe.batch`).
     """
 
     grid: tuple[int, int, int] | None = None
     skin: float = DEFAULT_SKIN
     halo: str = "per_model"
     timeout: float = 120.0
+    split_atoms: int = 1000
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -101,6 +105,8 @@ class DomainConfig:
             return f"DomainConfig.halo must be 'per_model' or 'max', got {self.halo!r}"
         if not (isinstance(self.timeout, numbers.Real) and math.isfinite(self.timeout) and self.timeout > 0):
             return f"DomainConfig.timeout must be a finite number of seconds > 0, got {self.timeout!r}; a stalled peer must end the run"
+        if isinstance(self.split_atoms, bool) or not isinstance(self.split_atoms, numbers.Integral) or self.split_atoms < 1:
+            return f"DomainConfig.split_atoms must be a positive integer (atoms per rank), got {self.split_atoms!r}"
         return None
 
 
@@ -183,6 +189,11 @@ class Domain:
     ghost_ids: torch.Tensor
     ghost_distance: torch.Tensor
     _row_offsets: tuple | None = None  # (plan_version, cell, offsets of all ghosts) of :meth:`row_offsets`
+    _pair_lists: PairLists | None = None  # this domain's candidate lists, per plan (:meth:`candidate_pairs`)
+    system: torch.Tensor | None = None
+    """Owned rows' system index in a batch (:class:`~halopipe.batch.BatchDomain`); None for one system."""
+    n_systems: int = 1
+    system_sizes: torch.Tensor | None = None  # (n_systems,) atoms per system of a batch
 
     @property
     def n_owned(self) -> int:
@@ -213,6 +224,40 @@ class Domain:
             cached = self._row_offsets = (self.plan_version, cell.detach().clone(), offsets)
         owned, ghosts = cached[2]
         return owned, ghosts[:n_ghost]
+
+    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Owned-centred candidate pairs within ``cutoff + skin`` among ``rows``, once per plan, and their offsets.
+
+        ``rows``: the owned rows, then ``n_ghost`` ghost rows (detached).
+        ``half``: each pair once (:func:`~halopipe.neighbors.grouped_owned_half_pairs`,
+        offsets when grouped by owned row), else both directions from owned
+        centres (offsets None). Kept in this domain's
+        :class:`~halopipe.neighbors.PairLists` until the plan changes; a
+        model that pairs nothing (``cutoff <= 0``, D3's lattice sums) gets an
+        empty list without a search.
+        """
+        if cutoff <= 0.0:
+            return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
+        if self._pair_lists is None:
+            self._pair_lists = PairLists()
+        reach = float(cutoff) + self.skin
+        return self._pair_lists.candidates(self.plan_version, rows, self.n_owned, n_ghost, reach, float(cutoff), half)
+
+    def search_widest_half_list(self, needs: set[tuple[int, float]], ghost_positions: torch.Tensor) -> None:
+        """With half lists of several ``(n_ghost, cutoff)`` to come, search once at the widest of both (per plan).
+
+        The narrower ones are then filtered from it by :meth:`candidate_pairs`
+        instead of searched again. ``ghost_positions``: the owners'
+        positions of the ghost rows, at least as many as the widest needs.
+        """
+        if len(needs) < 2:
+            return
+        n_ghost, cutoff = max(n for n, _ in needs), max(c for _, c in needs)
+        if self._pair_lists is not None and self._pair_lists.holds(self.plan_version, n_ghost, cutoff, True):
+            return
+        owned_offset, ghost_offset = self.row_offsets(self.cell.detach(), n_ghost)
+        rows = torch.cat([self.positions.detach() + owned_offset, ghost_positions[:n_ghost] + ghost_offset])
+        self.candidate_pairs(rows, n_ghost, cutoff, True)
 
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
         """Ghost rows within ``width`` of a per-atom tensor, from their owners (differentiable).

@@ -10,7 +10,10 @@ searches; vectors and distances are recomputed
 in torch (:func:`pair_vectors`) so autograd flows through them.
 
 A :class:`VerletList` keeps a list built at ``cutoff + skin`` and reuses it
-while no atom has moved more than ``skin / 2``.
+while no atom has moved more than ``skin / 2``. :class:`PairLists` is the
+same reuse for a domain's views: candidate lists per ghost plan, one search
+serving every model of equal width and cutoff, narrower lists filtered from
+a wider one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = [
     "owned_pairs_cell_list",
     "pair_vectors",
     "VerletList",
+    "PairLists",
     "max_displacement",
 ]
 
@@ -322,3 +326,47 @@ class VerletList:
         vec = positions[j] + s.to(positions.dtype) @ cell - positions[i]
         keep = vec.norm(dim=1) <= self.cutoff
         return i[keep], j[keep], s[keep]
+
+
+class PairLists:
+    """Candidate pair lists of one domain, kept for its current ghost plan.
+
+    A domain (:meth:`~halopipe.domain.Domain.candidate_pairs`) asks for the
+    owned-centred pairs within ``cutoff + skin`` among its rows (owned rows,
+    then ``n_ghost`` ghosts sorted by distance). Lists are searched once per
+    plan and distinct ``(n_ghost, cutoff, half)``, so models with equal
+    widths and cutoffs share one; a half list is filtered from a wider
+    cached one of the same plan when there is one (a narrower view's rows are
+    a prefix of a wider view's: :func:`narrower_half_pairs`). Entries are
+    ``(pairs, start)``: ``start`` holds the offsets of lists grouped by
+    owned row (else None). Lists of older plans are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._lists: dict = {}
+        self._version: int | None = None
+
+    def candidates(
+        self, version: int, rows: torch.Tensor, n_owned: int, n_ghost: int, reach: float, cutoff: float, half: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pairs within ``reach`` (the model's ``cutoff`` plus the skin) for plan ``version``, and their offsets."""
+        if version != self._version:
+            self._lists, self._version = {}, version
+        key = (n_ghost, cutoff, half)
+        found = self._lists.get(key)
+        if found is not None:
+            return found
+        wider = [c for k, c in self._lists.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
+        if wider:
+            pairs, start = min(wider, key=lambda c: c[0].shape[1])
+            found = narrower_half_pairs(pairs, start, rows, reach)
+        elif half:
+            found = grouped_owned_half_pairs(rows, n_owned, reach)
+        else:
+            found = (owned_pairs(rows, n_owned, reach), None)
+        self._lists[key] = found
+        return found
+
+    def holds(self, version: int, n_ghost: int, cutoff: float, half: bool) -> bool:
+        """Whether the list of ``(n_ghost, cutoff, half)`` for plan ``version`` is already searched."""
+        return version == self._version and (n_ghost, cutoff, half) in self._lists

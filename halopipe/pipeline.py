@@ -31,15 +31,17 @@ ranks is split by the decomposition that ``halopipe.distributed`` installs with
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from .batch import Batch, BatchDomain, BatchPlacement
 from .domain import Domain, DomainConfig, LocalDomain
-from .models.base import LocalView, Model, NonFiniteError
-from .neighbors import grouped_owned_half_pairs, narrower_half_pairs, owned_pairs, pair_vectors
+from .models.base import LocalView, Model, ModelOutput, NonFiniteError
+from .neighbors import pair_vectors
 from .system import System
 
 __all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view", "register_decomposition", "RESERVED_NAMES"]
@@ -47,17 +49,19 @@ __all__ = ["Step", "Group", "Pipeline", "evaluate", "build_view", "register_deco
 RESERVED_NAMES = frozenset({"energy", "energies", "model_energies", "forces", "stress", "virial", "fields", "halo"})
 """Keys of a pipeline result; no field may be named like one."""
 
-Decomposition = Callable[[System | None, DomainConfig], Domain | None]
+Decomposition = Callable[[System | list | None, DomainConfig], Domain | BatchPlacement | None]
 _decomposition: Decomposition | None = None
 
 
 def register_decomposition(decompose: Decomposition | None) -> None:
-    """Install how a :class:`~halopipe.System` is split over the ranks of a running process group.
+    """Install how a :class:`~halopipe.System` or a batch is split over the ranks of a running process group.
 
-    ``decompose(system_or_None, config)`` is called collectively by every rank
-    and returns the rank's :class:`~halopipe.domain.Domain`, or ``None`` when
-    no process group of more than one rank is running (then the pipeline runs
-    on one process). ``halopipe.distributed`` registers its scatter on import,
+    ``decompose(system_or_batch_or_None, config)`` is called collectively by
+    every rank and returns the rank's :class:`~halopipe.domain.Domain` (for a
+    system: rank 0's decides what the others passed) or
+    :class:`~halopipe.batch.BatchPlacement` (for a batch), or ``None`` when no
+    process group of more than one rank is running (then the pipeline runs on
+    one process). ``halopipe.distributed`` registers its scatter on import,
     so the core depends on the interface only.
     """
     global _decomposition
@@ -246,7 +250,6 @@ class Pipeline(torch.nn.Module):
         self.models = torch.nn.ModuleList([s.model for g in self.groups for s in g.steps])
         self.config = config if config is not None else DomainConfig()
         self._domain: LocalDomain | None = None
-        self._pair_cache: dict = {}
 
     @property
     def halo(self) -> float:
@@ -269,6 +272,18 @@ class Pipeline(torch.nn.Module):
                 need |= {step.source_of(i) for i in step.model.inputs} - made
                 made |= set(step.produced().values())
         return need
+
+    def device_problem(self, device: torch.device) -> str | None:
+        """The complaint about model tensors on another device than the system's ``device``, if any."""
+        for step in self._steps():
+            for tensor in itertools.chain(step.model.parameters(), step.model.buffers()):
+                other = tensor.device
+                if other.type != device.type or (other.index is not None and device.index is not None and other.index != device.index):
+                    return (
+                        f"{step.model.name} holds tensors on {other} but the system is on {device}; "
+                        f"move one to the other: pipeline.to({str(device)!r}) or system.to(device={str(other)!r})"
+                    )
+        return None
 
     def missing_fields(self, system_fields) -> str | None:
         """The complaint about input fields the system lacks, if any."""
@@ -324,24 +339,42 @@ class Pipeline(torch.nn.Module):
         wanted = _field_names(field_gradients)
         if isinstance(system, Domain):
             return self._evaluate_on(system, stress, energy, wanted)
-        domain = _decomposition(system, self.config) if decompose and _decomposition is not None else None
-        if domain is not None:
-            return _gathered(self._evaluate_on(domain, stress, energy, wanted), domain)
+        placed = _decomposition(system, self.config) if decompose and _decomposition is not None else None
+        if isinstance(placed, BatchPlacement):
+            return _evaluate_placed(self, placed, stress, energy, wanted)
+        if placed is not None:
+            return _gathered(self._evaluate_on(placed, stress, energy, wanted), placed)
+        if isinstance(system, (list, tuple, Batch)):
+            return self._evaluate_on(self._batch_domain(Batch(system)), stress, energy, wanted)
         if not isinstance(system, System):
             raise TypeError(f"Pipeline: expected a halopipe.System or a Domain, got {type(system).__name__}")
         return self._evaluate_on(self._local_domain(system), stress, energy, wanted)
 
     def _local_domain(self, system: System) -> LocalDomain:
-        if self._domain is not None and self._domain.compatible(system) and self._domain.skin == float(self.config.skin):
+        kept = self._domain
+        if kept is not None and not isinstance(kept, BatchDomain) and kept.compatible(system) and kept.skin == float(self.config.skin):
             self._domain.update(system)
         else:
             system.check_close_contacts()  # once per new system, not at every step
             self._domain = LocalDomain(system, skin=self.config.skin)
-            self._pair_cache = {}
+        return self._domain
+
+    def _batch_domain(self, batch: Batch) -> BatchDomain:
+        """The batch's domain, kept between calls on the same atoms (a relaxation, NEB) so plans are reused."""
+        kept = self._domain
+        if isinstance(kept, BatchDomain) and kept.compatible(batch) and kept.skin == float(self.config.skin):
+            kept.update(batch)
+            return kept
+        for b, system in enumerate(batch.systems):
+            try:
+                system.check_close_contacts()
+            except ValueError as exc:
+                raise ValueError(f"system {b} of the batch: {exc}") from exc
+        self._domain = BatchDomain(batch, skin=self.config.skin)
         return self._domain
 
     def _evaluate_on(self, domain: Domain, stress: bool, energy: bool, wanted: tuple[str, ...] = ()) -> dict:
-        problem = domain.problem(self.config) or self.missing_fields(domain.fields)
+        problem = domain.problem(self.config) or self.device_problem(domain.positions.device) or self.missing_fields(domain.fields)
         if wanted and not problem:
             problem = self.field_gradient_problem(wanted, domain.fields)
         problem = f"Pipeline: {problem}" if problem else None
@@ -350,7 +383,6 @@ class Pipeline(torch.nn.Module):
                 self,
                 domain,
                 stress=stress,
-                pair_cache=self._pair_cache,
                 halo_of=self.halo_of,
                 problem=problem,
                 energy=energy,
@@ -390,6 +422,70 @@ def _gathered(out: dict, domain: Domain) -> dict:
     return out
 
 
+def _evaluate_placed(pipeline: Pipeline, placement: BatchPlacement, stress: bool, energy: bool, wanted: tuple[str, ...]) -> dict:
+    """A batch spread over ranks: each rank's whole systems as one local batch, then each split system decomposed.
+
+    Every rank writes the rows of what it evaluated (a split system's on the
+    root only: its results are already gathered on every rank) into full-size
+    results, and one all-reduce completes them on every rank.
+    """
+    problem = pipeline.missing_fields(placement.fields)
+    if wanted and not problem:
+        problem = pipeline.field_gradient_problem(wanted, placement.fields)
+    placement.agree(f"Pipeline: {problem}" if problem else None)
+    starts = [sum(placement.sizes[:b]) for b in range(len(placement.sizes) + 1)]
+    pieces: list[tuple[list[int], dict]] = []
+    with placement.guard("batch evaluation"):
+        if placement.whole_systems:
+            local = BatchDomain(Batch(placement.whole_systems), skin=pipeline.config.skin)
+            pieces.append((placement.whole, pipeline._evaluate_on(local, stress, energy, wanted)))
+    for index, domain in placement.split:
+        out = _gathered(pipeline._evaluate_on(domain, stress, energy, wanted), domain)
+        if placement.is_root:  # every rank holds the gathered results; one adds them
+            out.update({key: out[key].unsqueeze(0) for key in ("energy", "stress", "virial") if key in out})
+            if "model_energies" in out:
+                out["model_energies"] = {name: e.unsqueeze(0) for name, e in out["model_energies"].items()}
+            pieces.append(([index], out))
+    shapes = placement.share({name: tuple(v.shape[1:]) for _, out in pieces for name, v in out["fields"].items()})
+    produced = {name: shape for one in shapes for name, shape in one.items()}
+    return _assembled(pipeline, placement, pieces, starts, produced, stress, energy, wanted)
+
+
+def _assembled(pipeline: Pipeline, placement: BatchPlacement, pieces, starts, produced: dict, stress: bool, energy: bool, wanted) -> dict:
+    """Full-size batch results from each rank's ``pieces`` (system indices, their results), summed over ranks."""
+    n_sys, n_atoms, dtype, device = len(placement.sizes), starts[-1], placement.dtype, placement.device
+    per_system = {"energy": ()} if energy else {}
+    per_system.update({"stress": (3, 3), "virial": (3, 3)} if stress else {})
+    names = [name for row in pipeline.names for name in row] if energy else []
+    per_atom = {"forces": (3,)} | ({"energies": ()} if energy else {})
+    per_atom.update({gradient_key(name): tuple(placement.fields[name].shape[1:]) if name in placement.fields else () for name in wanted})
+    result = {key: torch.zeros((n_sys,) + shape, dtype=dtype, device=device) for key, shape in per_system.items()}
+    result.update({key: torch.zeros((n_atoms,) + shape, dtype=dtype, device=device) for key, shape in per_atom.items()})
+    result["model_energies"] = {name: torch.zeros(n_sys, dtype=dtype, device=device) for name in names}
+    result["fields"] = {name: torch.zeros((n_atoms,) + shape, dtype=dtype, device=device) for name, shape in produced.items()}
+    for indices, out in pieces:
+        local_starts = [0]
+        for b in indices:
+            local_starts.append(local_starts[-1] + placement.sizes[b])
+        for j, b in enumerate(indices):
+            rows, mine = slice(starts[b], starts[b + 1]), slice(local_starts[j], local_starts[j + 1])
+            for key in per_system:
+                result[key][b] = out[key][j]
+            for key in per_atom:
+                result[key][rows] = out[key][mine]
+            for name in names:
+                result["model_energies"][name][b] = out["model_energies"][name][j]
+            for name, value in out["fields"].items():
+                result["fields"][name][rows] = value[mine]
+    flat = [result[k] for k in (*per_system, *per_atom)] + list(result["model_energies"].values()) + list(result["fields"].values())
+    summed = placement.all_reduce(torch.cat([t.reshape(-1) for t in flat])) if flat else None
+    offset = 0
+    for t in flat:
+        t.copy_(summed[offset : offset + t.numel()].reshape(t.shape))
+        offset += t.numel()
+    return result
+
+
 # --------------------------------------------------------------------------- views
 def build_view(
     domain: Domain,
@@ -398,7 +494,6 @@ def build_view(
     positions: torch.Tensor,
     cell: torch.Tensor,
     fields: dict[str, torch.Tensor],
-    pair_cache: dict,
     ghost_positions: torch.Tensor | None = None,
     need_energy: bool = True,
     need_virial: bool = True,
@@ -424,7 +519,7 @@ def build_view(
         return torch.cat([x, domain.ghost_rows(x, width)])
 
     half = bool(getattr(model, "half_list", False))
-    candidates, offsets = _candidates(domain, rows.detach(), n_ghost, float(model.cutoff), half, pair_cache)
+    candidates, offsets = domain.candidate_pairs(rows.detach(), n_ghost, float(model.cutoff), half)
     if half:
         pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
     else:
@@ -452,57 +547,26 @@ def build_view(
         pair_offsets=offsets if half else None,  # a full list was compacted above: offsets no longer hold
         need_energy=need_energy,
         need_virial=need_virial,
+        system=domain.row_systems(n_ghost) if domain.system is not None else None,
+        system_sizes=domain.system_sizes,
     )
 
 
-def _candidates(
-    domain: Domain, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool, pair_cache: dict
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Candidate pairs within ``cutoff + skin`` among ``rows`` (owned, then ``n_ghost`` ghosts), once per plan, and their offsets.
-
-    One search per plan and distinct (rows, cutoff, kind): models with equal
-    cutoffs and widths share it. A half list is filtered from a wider cached
-    one of the same plan when there is one (ghost rows are sorted by
-    distance, so a narrower view's rows are a prefix of a wider view's;
-    :func:`~halopipe.neighbors.narrower_half_pairs`). The cache holds
-    ``(pairs, start)``: the offsets of lists grouped by owned row (else
-    None), which the filter uses. Lists of older plans are dropped.
-    """
-    if cutoff <= 0.0:  # a model that pairs nothing (D3's lattice sums): no search
-        return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
-    version = domain.plan_version
-    for old in [k for k in pair_cache if k[1] != version]:
-        del pair_cache[old]
-    key = ((n_ghost, cutoff, half), version)
-    cached = pair_cache.get(key)
-    if cached is not None:
-        return cached
-    reach = cutoff + domain.skin
-    wider = [c for (k, _), c in pair_cache.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
-    if wider:
-        pairs, start = min(wider, key=lambda c: c[0].shape[1])
-        found = narrower_half_pairs(pairs, start, rows, reach)
-    elif half:
-        found = grouped_owned_half_pairs(rows, domain.n_owned, reach)
-    else:
-        found = (owned_pairs(rows, domain.n_owned, reach), None)
-    pair_cache[key] = found
-    return found
-
-
 # ---------------------------------------------------------------------- evaluation
-def _volume(cell: torch.Tensor) -> float:
-    v = float(torch.linalg.det(cell.detach().to(torch.float64)).abs())
-    if v < 1e-12:
-        raise ValueError("stress requested but the cell has zero volume; stress needs a cell spanning three dimensions")
-    return v
+def _volume(cell: torch.Tensor) -> torch.Tensor:
+    """The cell's volume (one per system for a batch's ``(B, 3, 3)`` cells); an error for a flat cell."""
+    v = torch.linalg.det(cell.detach().to(torch.float64)).abs()
+    flat = (v < 1e-12).reshape(-1).nonzero()
+    if flat.numel():
+        which = "the cell has" if cell.ndim == 2 else f"system {int(flat[0])} of the batch has a cell with"
+        raise ValueError(f"stress requested but {which} zero volume; stress needs a cell spanning three dimensions")
+    return v.to(cell.dtype)
 
 
 def evaluate(
     pipeline: Pipeline,
     domain: Domain,
     stress: bool = False,
-    pair_cache: dict | None = None,
     halo_of=None,
     problem: str | None = None,
     energy: bool = True,
@@ -521,22 +585,24 @@ def evaluate(
     :meth:`Pipeline.field_gradient_problem`) whose ``d_energy_d_<name>``
     (owned atoms) to add, as :class:`Pipeline` describes.
     """
-    pair_cache = {} if pair_cache is None else pair_cache
     halo_of = halo_of or (lambda model: model.halo)
     if stress:
         volume = _volume(domain.cell)
     domain.prepare(pipeline.halo, problem)
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
+    batched = domain.system is not None  # a batch of systems (halopipe.batch): energies and virial per system
     forces = torch.zeros(n, 3, dtype=dtype, device=device)
     energies = torch.zeros(n, dtype=dtype, device=device) if energy else None
-    virial = torch.zeros(3, 3, dtype=dtype, device=device)
+    virial = torch.zeros(domain.cell.shape, dtype=dtype, device=device)
     local_energy: list[torch.Tensor] = []
     produced: dict[str, torch.Tensor] = {}
     static = dict(domain.fields)
     # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
-    _search_widest_half_list(pipeline, domain, ghost_positions, pair_cache, halo_of)
+    steps = [s for g in pipeline.groups for s in g.steps]
+    half_lists = {(domain.ghost_count(halo_of(s.model)), float(s.model.cutoff)) for s in steps if s.model.half_list}
+    domain.search_widest_half_list(half_lists, ghost_positions)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
     from_system = set()  # requested fields read from the system (the rest are produced): checked by field_gradient_problem
     if field_gradients:
@@ -544,62 +610,50 @@ def evaluate(
     gradients: dict[str, torch.Tensor] = {name: torch.zeros_like(static[name]) for name in from_system}
     for group in pipeline.groups:
         reads = {s.source_of(i) for s in group.steps for i in s.model.inputs} if from_system else set()
-        if group.autograd or reads & from_system:  # a direct group gives no dE/dx: autograd for this call
-            args = (group, domain, static, stress, pair_cache, halo_of, ghost_positions, energy)
+        # A direct group gives no dE/dx, nor a virial per system of a batch: autograd for this call.
+        if group.autograd or reads & from_system or (batched and stress):
+            args = (group, domain, static, stress, halo_of, ghost_positions, energy)
             f, w, e, p, g = _run_autograd_group(*args, field_gradients)
             for name, grad in g.items():
                 gradients[name] = gradients[name] + grad if name in gradients else grad
         else:
-            f, w, e, p = _run_direct_group(group, domain, static, stress, pair_cache, halo_of, ghost_positions, energy)
+            f, w, e, p = _run_direct_group(group, domain, static, stress, halo_of, ghost_positions, energy)
         forces += f
         virial += w
         for per_atom in e if energy else ():
             energies += per_atom
-            local_energy.append(per_atom.sum())
+            local_energy.append(per_atom.new_zeros(domain.n_systems).index_add(0, domain.system, per_atom) if batched else per_atom.sum())
         produced.update(p)
         broken.append((~torch.isfinite(f.sum() + w.sum())).to(dtype))  # a NaN or inf anywhere makes the sum non-finite
     # One reduction for energies, flags and the virial: every rank sees the same values and raises the same error.
     k = len(local_energy)
     parts = [torch.stack(local_energy).detach()] if energy else []
-    parts += [torch.stack(broken)] + ([virial.reshape(9)] if stress else [])
-    reduced = domain.all_reduce(torch.cat(parts))
-    totals = reduced[:k]
-    _raise_if_not_finite(pipeline, totals, reduced[k : k + len(broken)])
+    parts += [torch.stack(broken)] + ([virial.reshape(-1)] if stress else [])
+    reduced = domain.all_reduce(torch.cat([part.reshape(-1) for part in parts]))
+    b = domain.n_systems if batched else 1
+    totals = reduced[: k * b].reshape((k, b) if batched else (k,))
+    _raise_if_not_finite(pipeline, totals, reduced[k * b : k * b + len(broken)])
     result = {"forces": forces, "fields": produced}
     result.update({gradient_key(name): gradients[name] for name in field_gradients})
     if energy:
         names = [name for row in pipeline.names for name in row]
-        result.update(energy=totals.sum(), energies=energies, model_energies={name: totals[k] for k, name in enumerate(names)})
+        result.update(energy=totals.sum(0), energies=energies, model_energies={name: totals[k] for k, name in enumerate(names)})
     if stress:
-        result["virial"] = reduced[k + len(broken) :].reshape(3, 3)
-        result["stress"] = -result["virial"] / volume
+        result["virial"] = reduced[k * b + len(broken) :].reshape(virial.shape)
+        result["stress"] = -result["virial"] / (volume[:, None, None] if batched else volume)
     return result
-
-
-def _search_widest_half_list(pipeline: Pipeline, domain: Domain, ghost_positions: torch.Tensor, pair_cache: dict, halo_of) -> None:
-    """With several half-list models of different widths or cutoffs, search once at the widest of both (per plan).
-
-    The others then filter their lists from it (:func:`_candidates`) instead of searching again.
-    """
-    needs = {(domain.ghost_count(halo_of(s.model)), float(s.model.cutoff)) for g in pipeline.groups for s in g.steps if s.model.half_list}
-    if len(needs) < 2:
-        return
-    n_ghost, cutoff = max(n for n, _ in needs), max(c for _, c in needs)
-    if ((n_ghost, cutoff, True), domain.plan_version) in pair_cache:
-        return
-    owned_offset, ghost_offset = domain.row_offsets(domain.cell.detach(), n_ghost)
-    rows = torch.cat([domain.positions.detach() + owned_offset, ghost_positions[:n_ghost] + ghost_offset])
-    _candidates(domain, rows, n_ghost, cutoff, True, pair_cache)
 
 
 def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups: torch.Tensor) -> None:
     """:class:`~halopipe.models.NonFiniteError` naming the model whose energy, or the group whose forces, is not finite."""
     hint = "check the structure for atoms too close together and the model's parameters"
     names = [(name, step.model.name) for row, group in zip(pipeline.names, pipeline.groups) for name, step in zip(row, group.steps)]
-    for (name, model), value in zip(names, totals.tolist()):
-        if not math.isfinite(value):
+    for (name, model), values in zip(names, totals.reshape(len(names), -1).tolist()):
+        bad = [b for b, value in enumerate(values) if not math.isfinite(value)]
+        if bad:
             label = model if name == model else f"{name} ({model})"
-            raise NonFiniteError(f"{label} returned a non-finite energy ({value}); {hint}", model)
+            where = f" for system {bad[0]} of the batch" if totals.ndim == 2 else ""
+            raise NonFiniteError(f"{label} returned a non-finite energy ({values[bad[0]]}){where}; {hint}", model)
     for row, group, flag in zip(pipeline.names, pipeline.groups, broken_groups.tolist()):
         if flag != 0:
             models = ", ".join(row)
@@ -617,9 +671,7 @@ def _group_ghost_positions(group: Group, domain: Domain, positions: torch.Tensor
     return domain.ghost_rows(positions, width, known=ghost_positions[: domain.ghost_count(width)])
 
 
-def _run_autograd_group(
-    group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions, energy: bool, wanted=()
-):
+def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, halo_of, ghost_positions, energy: bool, wanted=()):
     """Forces, virial, per-atom energies and produced fields of ``group``, and the gradients of the ``wanted`` fields it reads or produces.
 
     A wanted field of the system becomes a leaf the group's views refresh
@@ -629,10 +681,11 @@ def _run_autograd_group(
     """
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
-    eps = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device, requires_grad=stress)
+    eps = torch.zeros(cell.shape, dtype=pos.dtype, device=pos.device, requires_grad=stress)  # one strain per system of a batch
     if stress:
         strain = torch.eye(3, dtype=pos.dtype, device=pos.device) + eps
-        positions, cell = pos @ strain, cell @ strain
+        positions = domain.strained(pos, strain) if domain.system is not None else pos @ strain
+        cell = cell @ strain
     else:
         positions = pos
     fields = dict(static)
@@ -646,8 +699,7 @@ def _run_autograd_group(
     per_atom_energies = []
     ghosts = _group_ghost_positions(group, domain, positions, halo_of, ghost_positions)
     for step in group.steps:
-        view = build_view(domain, step, halo_of(step.model), positions, cell, fields, pair_cache, ghosts)
-        out = step.model(view)
+        out = _run_step(domain, step, halo_of(step.model), positions, cell, fields, ghosts)
         energy = energy + out.energies.sum()
         per_atom_energies.append(out.energies.detach())
         for out_name, visible in step.produced().items():
@@ -661,7 +713,7 @@ def _run_autograd_group(
     wrt = [pos, eps] if stress else [pos]
     grads = torch.autograd.grad(energy, wrt + list(leaves.values()), allow_unused=True)
     forces = -grads[0] if grads[0] is not None else torch.zeros_like(pos)
-    virial = torch.zeros(3, 3, dtype=pos.dtype, device=pos.device)
+    virial = torch.zeros(cell.shape, dtype=pos.dtype, device=pos.device)
     if stress and grads[1] is not None:
         virial = -grads[1]
     field_grads = {
@@ -688,22 +740,81 @@ def _check_direct_output(model, out, view: LocalView) -> None:
         raise RuntimeError(f"{model.name}: direct forces have {out.forces.shape[0]} rows, expected {rows}: {which}")
 
 
-def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, pair_cache: dict, halo_of, ghost_positions, energy: bool):
-    n = domain.n_owned
+def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, halo_of, ghost_positions, energy: bool):
     positions, cell = domain.positions.detach(), domain.cell.detach()
     forces = torch.zeros_like(positions)
     virial = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
     per_atom_energies = []
     with torch.no_grad():
         for step in group.steps:
-            width = halo_of(step.model)
-            view = build_view(domain, step, width, positions, cell, static, pair_cache, ghost_positions, energy, stress)
-            out = step.model(view, direct=True)
-            _check_direct_output(step.model, out, view)
-            forces += out.forces[:n]
-            if step.model.ghost_forces:  # a class property, so every rank agrees whether this collective runs
-                forces += domain.fold_ghosts(out.forces[n:], width)
+            out = _run_step(domain, step, halo_of(step.model), positions, cell, static, ghost_positions, True, energy, stress)
+            forces += out.forces
             if stress:
                 virial += out.virial
             per_atom_energies.append(out.energies)  # None where not needed; evaluate reads them only with energy
     return forces, virial, per_atom_energies, {}
+
+
+def _run_step(
+    domain: Domain,
+    step: Step,
+    width: float,
+    positions: torch.Tensor,
+    cell: torch.Tensor,
+    fields: dict,
+    ghost_positions: torch.Tensor | None,
+    direct: bool = False,
+    need_energy: bool = True,
+    need_virial: bool = True,
+) -> ModelOutput:
+    """``step.model`` on its view of ``domain``; direct forces come back complete on the owned rows (ghost rows folded home).
+
+    On a batch, a model that is not ``batchable`` sees one view per system
+    (:func:`_run_per_system`), and a model's ``ValueError`` names the system
+    that caused it.
+    """
+    if domain.system is not None and not step.model.batchable:
+        return _run_per_system(domain, step, width, positions, cell, fields, direct, need_energy, need_virial)
+    view = build_view(domain, step, width, positions, cell, fields, ghost_positions, need_energy, need_virial)
+    try:
+        out = step.model(view, direct=direct)
+    except ValueError as exc:
+        if domain.system is not None:
+            _raise_naming_system(exc, domain, step, width, positions, cell, fields)
+        raise
+    if direct:
+        _check_direct_output(step.model, out, view)
+        n = domain.n_owned
+        forces = out.forces[:n]
+        if step.model.ghost_forces:  # a class property, so every rank agrees whether this collective runs
+            forces = forces + domain.fold_ghosts(out.forces[n:], width)
+        out = replace(out, forces=forces)
+    return out
+
+
+def _run_per_system(domain, step: Step, width: float, positions, cell, fields: dict, direct: bool, need_energy: bool, need_virial: bool):
+    """``step.model`` on each system of a batch apart, through the systems' own domains: outputs concatenated (virials stacked)."""
+    outs = []
+    for b, part in enumerate(domain.parts):
+        rows = domain.part_rows(b)
+        own = {name: value[rows] for name, value in fields.items()}
+        try:
+            outs.append(_run_step(part, step, width, positions[rows], cell[b], own, None, direct, need_energy, need_virial))
+        except ValueError as exc:
+            raise ValueError(f"system {b} of the batch: {exc}") from exc
+    energies = None if any(o.energies is None for o in outs) else torch.cat([o.energies for o in outs])
+    made = {name: torch.cat([o.fields[name] for o in outs]) for name in (outs[0].fields if outs else {})}
+    out = ModelOutput(energies=energies, fields=made)
+    if direct:
+        out.forces = torch.cat([o.forces for o in outs])
+        out.virial = None if any(o.virial is None for o in outs) else torch.stack([o.virial for o in outs])
+    return out
+
+
+def _raise_naming_system(error: ValueError, domain, step: Step, width: float, positions, cell, fields: dict) -> None:
+    """Re-raise a batchable model's ``error`` on a whole batch naming the first system that raises it alone (if one does)."""
+    with torch.no_grad():
+        _run_per_system(
+            domain, step, width, positions.detach(), cell.detach(), {k: v.detach() for k, v in fields.items()}, False, True, False
+        )
+    raise error

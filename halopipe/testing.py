@@ -246,7 +246,7 @@ def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
     domain = LocalDomain(system)
     domain.prepare(model.halo)
     positions = system.positions.detach()
-    full = build_view(domain, Step(model), model.halo, positions, system.cell, dict(system.fields), {})
+    full = build_view(domain, Step(model), model.halo, positions, system.cell, dict(system.fields))
     views = []
     for rows in (full.n_rows, 0):
 

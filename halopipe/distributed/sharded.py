@@ -123,17 +123,18 @@ class ShardedSystem(Domain):
         sends its rows and ids there once (trajectories, checkpoints). With
         ``root=None`` on every rank: gathered to rank 0, then broadcast.
         """
-        # ids travel with the rows (float64 holds integers exactly up to 2**53), so root can put rows in order.
-        width = math.prod(x.shape[1:])  # explicit: a rank without atoms has no rows to infer it from
-        packed = torch.cat([self.ids[:, None].to(torch.float64), x.detach().reshape(x.shape[0], width).to(torch.float64)], dim=1)
-        rows = self.comm.gather_rows(packed, 0 if root is None else root)
-        full = None
-        if rows is not None:
-            full = x.new_empty((self.n_total,) + tuple(x.shape[1:]))
-            full.view(self.n_total, -1)[rows[:, 0].long()] = rows[:, 1:].to(x.dtype)
-        if root is None:
-            return self.comm.broadcast(full, (self.n_total,) + tuple(x.shape[1:]), x.dtype, x.device)
-        return full
+        with self.comm.guard("gather"):  # a failure here reaches the peers waiting in the gather
+            # ids travel with the rows (float64 holds integers exactly up to 2**53), so root can put rows in order.
+            width = math.prod(x.shape[1:])  # explicit: a rank without atoms (or a system of none) has no rows to infer it from
+            packed = torch.cat([self.ids[:, None].to(torch.float64), x.detach().reshape(x.shape[0], width).to(torch.float64)], dim=1)
+            rows = self.comm.gather_rows(packed, 0 if root is None else root)
+            full = None
+            if rows is not None:
+                full = x.new_empty((self.n_total,) + tuple(x.shape[1:]))
+                full.view(self.n_total, width)[rows[:, 0].long()] = rows[:, 1:].to(x.dtype)
+            if root is None:
+                return self.comm.broadcast(full, (self.n_total,) + tuple(x.shape[1:]), x.dtype, x.device)
+            return full
 
     def to_system(self, root: int | None = None) -> System | None:
         """The whole system, assembled on every rank, or on ``root`` only (``None`` elsewhere)."""

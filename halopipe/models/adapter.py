@@ -93,6 +93,11 @@ class TorchModel(Model):
         return self.cutoff * (1 if self.per_layer else self.layers)
 
     @property
+    def batchable(self) -> bool:
+        """A whole batch in one view unless the wide-halo path searches its own pairs over all rows."""
+        return self.per_layer or self.layers == 1
+
+    @property
     def name(self) -> str:
         return type(self.module).__name__
 

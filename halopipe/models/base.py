@@ -88,6 +88,10 @@ class LocalView:
         MD steps want forces only, so a direct model may then return
         ``energies`` or ``virial`` as None and skip their work. The forces must
         not depend on these flags. Evaluations through autograd ignore them.
+    system, system_sizes : in a view of a whole batch (given to models that
+        set ``batchable = True``): ``(R,)`` index of each row's system and
+        ``(B,)`` atoms per system; ``cell`` is then ``(B, 3, 3)`` and ``pbc``
+        ``(B, 3)``. None for one system.
     """
 
     positions: torch.Tensor
@@ -109,10 +113,39 @@ class LocalView:
     pair_offsets: torch.Tensor | None = None
     need_energy: bool = True
     need_virial: bool = True
+    system: torch.Tensor | None = None
+    system_sizes: torch.Tensor | None = None
 
     @property
     def n_rows(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def n_systems(self) -> int:
+        return 1 if self.system_sizes is None else int(self.system_sizes.shape[0])
+
+    def system_sum(self, x_owned: torch.Tensor) -> torch.Tensor:
+        """Per-system sums ``(B, ...)`` of a per-atom tensor of the owned rows, over all ranks (differentiable).
+
+        ``(1, ...)`` for a view of one system (its :attr:`global_sum`); in a
+        batch view each system's rows are summed apart, so no sum crosses systems.
+        """
+        if self.system is None:
+            return self.global_sum(x_owned.sum(0)).unsqueeze(0)
+        out = x_owned.new_zeros((self.n_systems,) + tuple(x_owned.shape[1:]))
+        return self.global_sum(out.index_add(0, self.system[: self.n_owned], x_owned))
+
+    def atoms_per_system(self) -> torch.Tensor:
+        """``(B,)`` atoms in each system (``(1,)`` holding ``n_total`` for one system)."""
+        if self.system_sizes is None:
+            return torch.tensor([self.n_total], device=self.positions.device)
+        return self.system_sizes
+
+    def owned_system(self) -> torch.Tensor:
+        """``(n_owned,)`` system index of each owned row (zeros for one system)."""
+        if self.system is None:
+            return torch.zeros(self.n_owned, dtype=torch.int64, device=self.positions.device)
+        return self.system[: self.n_owned]
 
 
 @dataclass
@@ -148,7 +181,10 @@ class Model(torch.nn.Module):
     each pair with a ghost is then evaluated by both ranks that hold it, as
     LAMMPS's ``newton off``), ``half_list`` (True to receive the unfiltered half
     candidate list, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
-    the cutoff are needed.
+    the cutoff are needed. ``batchable = True`` says the model can take a whole batch of systems in
+    one view (:mod:`halopipe.batch`): its energy is a sum of terms over the rows and pairs it is
+    given, it never reads ``cell``, ``pbc`` or ``n_total``, and any sum over atoms goes through
+    :meth:`LocalView.system_sum`; other models see one view per system of a batch.
     """
 
     cutoff: float = 0.0
@@ -157,6 +193,7 @@ class Model(torch.nn.Module):
     direct_forces: bool = False
     ghost_forces: bool = True
     half_list: bool = False
+    batchable: bool = False
 
     @property
     def halo(self) -> float:

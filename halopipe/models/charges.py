@@ -85,6 +85,7 @@ class ChargeModel(Model):
 
     outputs = frozenset({"charges"})
     half_list = True
+    batchable = True
 
     def __init__(
         self, cutoff: float = 4.0, electronegativity=None, coordination_weight=0.02, total_charge: float = 0.0, hardness=0.0
@@ -115,7 +116,8 @@ class ChargeModel(Model):
         dtype = view.positions.dtype
         cn = coordination_autograd(view.positions, self._half.get(view.pairs, view.n_owned, view.half_list), self.cutoff, n)
         raw = self.chi[z].to(dtype) - self.weight[z].to(dtype) * cn
-        excess = view.global_sum(raw.sum()) - self.total_charge
-        charges = raw - excess / view.n_total
+        excess = view.system_sum(raw) - self.total_charge  # per system: no charge moves between systems of a batch
+        system = view.owned_system()
+        charges = raw - (excess / view.atoms_per_system().to(dtype))[system]
         energies = 0.5 * self.hardness[z].to(dtype) * charges * charges
         return ModelOutput(energies=energies, fields={"charges": charges})

@@ -48,6 +48,7 @@ class DSFCoulomb(Model):
     inputs = frozenset({"charges"})
     direct_forces = True
     half_list = True
+    batchable = True
 
     def __init__(self, cutoff: float = 10.0, alpha: float = 0.2) -> None:
         super().__init__()

@@ -67,6 +67,7 @@ class LennardJones(Model):
     direct_forces = True
     ghost_forces = False  # direct forces are complete on owned rows (see kernels.lennard_jones.lj_direct)
     half_list = True
+    batchable = True
 
     def __init__(self, epsilon=0.0103, sigma=3.4, cutoff: float = 8.5, shift: bool = True) -> None:
         super().__init__()

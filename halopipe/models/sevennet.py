@@ -166,6 +166,11 @@ class SevenNet(Model):
         self.register_buffer("species_index", index, persistent=False)
 
     @property
+    def batchable(self) -> bool:
+        """A whole batch in one view in layer mode; wide mode searches its own pairs over all rows (per system then)."""
+        return self.halo_mode == "layer"
+
+    @property
     def halo(self) -> float:
         return self.cutoff * (self.num_layers if self.halo_mode == "wide" else 1)
 
