@@ -12,6 +12,9 @@
   forces-only direct evaluation (``energy=False``, no stress) gives the same
   forces bit for bit, so a trajectory never depends on what is reported;
 * produced per-atom fields are invariant under translation and rotation;
+* a batch of the system and a strained, rattled copy gives each system's
+  energy, forces, stress and fields of a call on it alone (:func:`check_batch`),
+  through the batch view (``batchable`` models) or one view per system;
 * on a view that owns no atoms (a rank whose brick is empty: vacuum, a cluster
   in a box) the model returns no energies, zero forces and virial, and calls
   the same collectives (``refresh``, ``global_sum``, forward and backward) in
@@ -29,12 +32,13 @@ from dataclasses import replace
 
 import torch
 
+from .batch import Batch
 from .domain import LocalDomain
 from .models.base import LocalView
 from .pipeline import Group, Pipeline, Step, build_view
 from .system import System
 
-__all__ = ["check_empty_view", "check_model", "finite_difference_forces", "finite_difference_stress", "random_rotation"]
+__all__ = ["check_batch", "check_empty_view", "check_model", "finite_difference_forces", "finite_difference_stress", "random_rotation"]
 
 
 def _energy(pipeline: Pipeline, system: System) -> float:
@@ -162,8 +166,42 @@ def check_model(
         if periodic:
             _close("direct_stress", direct["stress"], ref["stress"], atol * max(1e-3, float(ref["stress"].abs().max())), 0.0, report)
         _check_forces_only(model, system, direct["forces"], report)
+    check_batch(model, system, atol=atol, seed=seed, report=report)
     if not math.isfinite(energy):
         raise AssertionError(f"check_model: energy is not finite ({energy})")
+    return report
+
+
+def check_batch(model, system: System, *, atol: float = 1e-9, seed: int = 0, report: dict | None = None) -> dict:
+    """``pipeline([system, variant])`` equals a call on each alone; raises ``AssertionError``.
+
+    ``variant`` is ``system`` rattled by 0.02 Å and, when periodic, under an
+    anisotropic 1 % strain, so the two systems differ in cell and images.
+    Checked for the model in an autograd group and, when it offers direct
+    forces, in a direct group: per-system energy, forces, stress (periodic
+    systems) and produced fields, to ``atol`` relative to their size.
+    """
+    report = {} if report is None else report
+    g = torch.Generator().manual_seed(seed + 1)
+    strain = torch.eye(3, dtype=system.dtype) + (torch.diag(torch.tensor([0.01, -0.006, 0.008])) if bool(system.pbc.any()) else 0.0)
+    moved = system.positions @ strain + 0.02 * torch.randn(system.positions.shape, generator=g).to(system.dtype)
+    systems = [system, system.replace(positions=moved, cell=system.cell @ strain)]
+    periodic = bool(system.pbc.all())
+    for autograd in (True, False) if model.direct_forces else (True,):
+        pipe = Pipeline([Group([Step(model)], autograd=autograd)])
+        kind = "autograd" if autograd else "direct"
+        together = pipe(systems, stress=periodic)
+        for b, (one, part) in enumerate(zip(systems, Batch(systems).split(together))):
+            alone = pipe(one, stress=periodic)
+            label = f"batch_{kind}_system{b}"
+            _close(f"{label}_energy", part["energy"], alone["energy"], atol * max(1.0, abs(float(alone["energy"]))), 0.0, report)
+            _close(f"{label}_forces", part["forces"], alone["forces"], atol * max(1.0, float(alone["forces"].abs().max())), 0.0, report)
+            if periodic:
+                scale = max(1e-3, float(alone["stress"].abs().max()))
+                _close(f"{label}_stress", part["stress"], alone["stress"], atol * scale, 0.0, report)
+            for name in sorted(model.outputs):
+                value = alone["fields"][name]
+                _close(f"{label}_{name}", part["fields"][name], value, atol * max(1.0, float(value.abs().max())), 0.0, report)
     return report
 
 
