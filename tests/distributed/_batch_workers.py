@@ -18,7 +18,20 @@ def batch_systems() -> list:
     return [small[0], salt(seed=1).replace(fields={"charges": salt(seed=1).fields["charges"]}), *small[1:], salt((3, 3, 2), seed=2)]
 
 
+def _message_passing():
+    """The example network with per-layer halo refresh (torch's default init under a fixed seed: equal on every rank)."""
+    from halopipe import TorchModel
+
+    from ..models.test_adapter import MessagePassing
+
+    torch.manual_seed(7)
+    net = MessagePassing(cutoff=3.5, features=8, layers=3).double()
+    return lambda: [TorchModel(net, cutoff=net.cutoff, layers=net.n_layers, per_layer=True), lj()]
+
+
 def _groups(kind: str):
+    if kind == "mlip_per_layer":
+        return _message_passing()
     if kind == "ewald":
         return lambda: [Group([Step(demo_like()[1].steps[0].model), Step(Ewald(cutoff=6.0, accuracy=1e-8))]), lj()]
     return PIPELINES[kind]
@@ -58,6 +71,7 @@ def all_cases() -> dict | None:
         "wired_stress": compare("wired", stress=True),
         "ewald_gradients": compare("ewald", stress=True, field_gradients=["charges"]),
         "d3_lattice": compare("d3_lattice", stress=True),
+        "mlip_per_layer": compare("mlip_per_layer", stress=True),
     }
     return cases if rank() == 0 else None
 
