@@ -13,12 +13,13 @@ one system are contiguous, labelled by ``state.system_idx``; ``state.pbc`` is
 one flag for all axes and systems. torch-sim's stress is ``(1/V) dE/dε`` in
 eV/Å³, the sign ASE and halopipe use, so it passes through unchanged.
 
-Each system of the batch is one pipeline evaluation for now
-(:meth:`TorchSimModel.evaluate`). Each batch slot keeps its own pipeline,
-sharing the models, so a slot's pair lists and halo plan are reused until its
-atoms move more than ``skin / 2``, as in halopipe's own dynamics. Under a
-process group of several ranks each evaluation is split over the ranks as a
-plain pipeline call is (every rank must hold the same state then).
+The whole state is one batched pipeline call (``pipeline([s1, s2, ...])``,
+:mod:`halopipe.batch`): per-system energy and stress, each system's own cell
+and images, and plans and pair lists reused between calls until some atom
+moved more than ``skin / 2``, as in halopipe's own dynamics. Under a process
+group of several ranks the batch is placed over the ranks as a plain batch
+call is: large systems split in space, small ones whole on one rank each
+(every rank must hold the same state then).
 
 Importing :mod:`halopipe` never imports torch-sim; importing this module
 without it raises ``ImportError`` naming the install command.
@@ -88,7 +89,6 @@ class TorchSimModel(ModelInterface):
         self.pipeline = (pipeline if isinstance(pipeline, Pipeline) else Pipeline([pipeline])).to(self._device)
         self._field_source = fields if callable(fields) else None
         self._field_tables = {} if callable(fields) else _species_tables(fields or {}, self.pipeline.required_fields())
-        self._slots = [self.pipeline]
 
     def forward(self, state: ts.SimState | dict, **kwargs) -> dict[str, torch.Tensor]:
         """Energy ``(n_systems,)``, forces ``(n_atoms, 3)`` and stress ``(n_systems, 3, 3)`` of a batched state.
@@ -106,25 +106,14 @@ class TorchSimModel(ModelInterface):
         """
         if isinstance(state, dict):  # torch-sim's models take its dict form too; the pipeline does not use masses
             state = ts.SimState(**{"masses": torch.ones_like(state["positions"][:, 0]), **state})
-        systems = self._systems(state)
-        results = self.evaluate(systems, stress=self._compute_stress)
+        out = self.pipeline(self._systems(state), stress=self._compute_stress)  # one batched call: per-system energy and stress
         dtype = state.positions.dtype
-        out = {"energy": torch.stack([r["energy"].detach() for r in results]).to(dtype)}
+        result = {"energy": out["energy"].detach().to(dtype)}
         if self._compute_forces:
-            out["forces"] = torch.cat([r["forces"].detach() for r in results]).to(dtype)
+            result["forces"] = out["forces"].detach().to(dtype)
         if self._compute_stress:
-            out["stress"] = torch.stack([r["stress"].detach() for r in results]).to(dtype)
-        return out
-
-    def evaluate(self, systems: list[System], stress: bool) -> list[dict]:
-        """One pipeline result per system, each evaluated by its batch slot's pipeline.
-
-        The one place that evaluates: a batched pipeline call can replace this loop.
-        """
-        while len(self._slots) < len(systems):
-            # Same models, own plan and pair cache: alternating systems through one pipeline would rebuild both at every call.
-            self._slots.append(Pipeline(self.pipeline.groups, config=self.pipeline.config))
-        return [slot(system, stress=stress) for slot, system in zip(self._slots, systems)]
+            result["stress"] = out["stress"].detach().to(dtype)
+        return result
 
     def _systems(self, state: ts.SimState) -> list[System]:
         """The state's systems as halopipe Systems (cell rows; input fields filled in)."""
