@@ -43,6 +43,13 @@ def _steps(text: str) -> int:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -106,7 +113,7 @@ def cmd_relax(args: argparse.Namespace) -> int:
     note("loading halopipe")
     from .relax import RelaxSettings, relax_file
 
-    settings = RelaxSettings(fmax=args.fmax, steps=args.steps, cell=args.cell, pressure=args.pressure)
+    settings = RelaxSettings(fmax=args.fmax, steps=args.steps, cell=args.cell, pressure=args.pressure, batch=args.batch)
     return relax_file(args.structures, args.output, args.config, settings, stop_on_error=args.stop_on_error)
 
 
@@ -177,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_steps, default=500, help="most FIRE steps per frame (default 500)")
     p.add_argument("--cell", action="store_true", help="relax the cell too (ASE's FrechetCellFilter)")
     p.add_argument("--pressure", type=float, default=0.0, help="with --cell: external pressure, GPa (default 0)")
+    p.add_argument("--batch", type=_positive_int, default=64, help="frames relaxed together, one pipeline call per FIRE step (default 64)")
     p.add_argument("--stop-on-error", action="store_true", help="stop at the first frame that fails (default: go on, exit 1 at the end)")
     p.set_defaults(func=cmd_relax)
 

@@ -5,15 +5,16 @@ optionally ``groups:``, ``domain:``, ``precision:``, ``device:``), built by :mod
 model type and every check of a run configuration applies. A full run configuration works too: its ``system``,
 ``integrator`` and ``steps`` are validated and ignored.
 
-Each frame is relaxed by ASE's FIRE (:class:`ase.optimize.FIRE`, default parameters) through
-:class:`halopipe.ase.Calculator`: the atoms only, or with ``cell=True`` atoms and cell together through
-:class:`ase.filters.FrechetCellFilter` (the stress relaxed against ``pressure``). ASE's optimiser rather than
-halopipe's :class:`~halopipe.dynamics.FIRE`, because the latter moves atoms only: one optimiser for both modes
-keeps ``fmax`` and the step counts meaning the same with and without the cell, and ASE's filter conventions come
-with it. The force criterion is ASE's: the largest row norm of what the optimiser moves (atomic forces; with the
-cell, also the filter's cell rows, the virial divided by the number of atoms, so the stress is relaxed to about
-``fmax * N / V``). Single process: ``--nproc`` would need ranks to agree on every frame's failure, which the
-launch machinery does not give for free.
+Each frame is relaxed by ASE's FIRE (:class:`ase.optimize.FIRE`, default parameters), ``batch`` frames at a time
+through one :class:`halopipe.ase.BatchCalculator`: one batched pipeline call per FIRE iteration serves all of them,
+and a frame leaves the batch when it converges (its place goes to the next frame). The atoms only, or with
+``cell=True`` atoms and cell together through :class:`ase.filters.FrechetCellFilter` (the stress relaxed against
+``pressure``). ASE's optimiser rather than halopipe's :class:`~halopipe.dynamics.FIRE`, because the latter moves
+atoms only: one optimiser for both modes keeps ``fmax`` and the step counts meaning the same with and without the
+cell, and ASE's filter conventions come with it. The force criterion is ASE's: the largest row norm of what the
+optimiser moves (atomic forces; with the cell, also the filter's cell rows, the virial divided by the number of
+atoms, so the stress is relaxed to about ``fmax * N / V``). Single process: ``--nproc`` would need ranks to agree
+on every frame's failure, which the launch machinery does not give for free.
 
 Before a frame is relaxed it is checked: no atoms, an element a model has no parameters for, a field no step
 produces, atoms closer than :attr:`halopipe.System.min_distance` (0.5 Å), or ``cell=True`` on a cell that is not
@@ -45,7 +46,6 @@ __all__ = [
     "Potential",
     "load_potential",
     "check_frame",
-    "relax_structure",
     "relax_frames",
     "relax_file",
 ]
@@ -68,12 +68,14 @@ class RelaxSettings:
     steps : most FIRE steps per frame.
     cell : relax the cell too (ASE's ``FrechetCellFilter``).
     pressure : external pressure for ``cell``, GPa.
+    batch : frames relaxed together, one batched pipeline call per FIRE iteration for all of them.
     """
 
     fmax: float = 0.05
     steps: int = 500
     cell: bool = False
     pressure: float = 0.0
+    batch: int = 64
 
 
 @dataclass
@@ -143,49 +145,122 @@ def check_frame(atoms: Atoms, index: int, potential: Potential, cell: bool) -> N
         raise FrameError(f"frame {index}: {exc}") from exc
 
 
-def relax_structure(atoms: Atoms, calculator, settings: RelaxSettings) -> tuple[Atoms, bool, int, float]:
-    """Relax one structure with FIRE; returns the relaxed atoms (a ``SinglePointCalculator`` holding energy,
-    forces and, with the cell, stress), whether it converged, the steps taken and the final largest force row."""
-    from ase import units
-    from ase.calculators.singlepoint import SinglePointCalculator
-    from ase.filters import FrechetCellFilter
-    from ase.optimize import FIRE
+class _Relaxing:
+    """One frame under relaxation: its atoms (served by the batch), the optimised object and ASE's FIRE on it."""
 
-    atoms = atoms.copy()
-    atoms.calc = calculator
-    target = FrechetCellFilter(atoms, scalar_pressure=settings.pressure * units.GPa) if settings.cell else atoms
-    optimizer = FIRE(target, logfile=None)
-    converged = bool(optimizer.run(fmax=settings.fmax, steps=settings.steps))
-    fmax = float(np.sqrt((target.get_forces() ** 2).sum(axis=1).max()))
-    results = {"energy": atoms.get_potential_energy(), "forces": atoms.get_forces()}
-    if settings.cell:
-        results["stress"] = atoms.get_stress()
-    atoms.calc = SinglePointCalculator(atoms, **results)
-    return atoms, converged, optimizer.nsteps, fmax
+    def __init__(self, index: int, atoms: Atoms, settings: RelaxSettings) -> None:
+        from ase import units
+        from ase.filters import FrechetCellFilter
+        from ase.optimize import FIRE
+
+        self.outcome = Relaxed(index, len(atoms))
+        self.atoms, self.settings = atoms, settings
+        self.target = FrechetCellFilter(atoms, scalar_pressure=settings.pressure * units.GPa) if settings.cell else atoms
+        self.optimizer = FIRE(self.target, logfile=None)
+
+    def check(self) -> bool:
+        """The force criterion on the current atoms (evaluated in the batch's call); True when this frame is done."""
+        forces = self.target.get_forces()
+        self.outcome.fmax = float(np.sqrt((forces**2).sum(axis=1).max()))
+        self.outcome.converged = self.outcome.fmax < self.settings.fmax
+        return self.outcome.converged or self.outcome.steps >= self.settings.steps
+
+    def step(self) -> None:
+        """One FIRE step (its forces are the ones :meth:`check` read: no new evaluation)."""
+        self.optimizer.step()
+        self.outcome.steps += 1
+
+    def finished(self) -> Relaxed:
+        """The outcome, its atoms holding a ``SinglePointCalculator`` with energy, forces (and stress with the cell)."""
+        from ase.calculators.singlepoint import SinglePointCalculator
+
+        results = {"energy": self.atoms.get_potential_energy(), "forces": self.atoms.get_forces()}
+        if self.settings.cell:
+            results["stress"] = self.atoms.get_stress()
+        self.outcome.energy = float(results["energy"])
+        self.atoms.calc = SinglePointCalculator(self.atoms, **results)
+        self.outcome.atoms = self.atoms
+        return self.outcome
+
+    def failed(self, exc: Exception) -> Relaxed:
+        what = str(exc) if isinstance(exc, (ValueError, OSError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
+        self.outcome.error = f"frame {self.outcome.index}: {what}"
+        return self.outcome
 
 
-def relax_frames(frames: Iterable, potential: Potential, settings: RelaxSettings) -> Iterator[Relaxed]:
-    """Relax ``frames`` one after the other, yielding each outcome as it finishes (a failure as ``Relaxed.error``).
+def relax_frames(frames: Iterable, potential: Potential, settings: RelaxSettings, stop_on_error: bool = False) -> Iterator[Relaxed]:
+    """Relax ``frames`` together, ``settings.batch`` at a time, yielding each outcome as its frame finishes.
 
-    This is the per-structure loop and the one place that evaluates the potential: a batched relaxation (many
-    structures per pipeline call) replaces this function, yielding the same records as its structures finish.
+    Every FIRE iteration makes one batched pipeline call for all frames in the batch
+    (:class:`halopipe.ase.BatchCalculator`): first every frame reads its forces (the first read evaluates them all)
+    and leaves the batch when converged or out of steps, then every remaining frame takes its FIRE step; a free
+    place is filled with the next frame. Each frame's optimiser is ASE's FIRE, so its path is the one a loop of
+    ASE runs would take. A frame that fails its check or raises while relaxing yields its error; the others go on,
+    or, with ``stop_on_error``, only the earlier frames still relaxing finish (as a loop would have relaxed them
+    before reaching the failure) and no later frame starts.
     """
-    from ..ase import Calculator
+    from ..ase import BatchCalculator
 
+    if settings.batch < 1:
+        raise ValueError(f"RelaxSettings.batch must be a positive number of frames, got {settings.batch!r}")
     config = potential.config
-    calculator = Calculator(potential.pipeline, dtype=config.dtype, device=config.device)
-    for index, atoms in enumerate(frames):
-        outcome = Relaxed(index, len(atoms))
+    batch = BatchCalculator(potential.pipeline, dtype=config.dtype, device=config.device, stress=settings.cell)
+    waiting = iter(enumerate(frames))
+    active: list[_Relaxing] = []
+    stop_at: int | None = None  # with stop_on_error: the first failed frame; later ones do not run
+    while active or stop_at is None:
+        admitted = _admit(waiting, settings.batch - len(active), potential, settings)
+        for item in admitted:
+            if isinstance(item, Relaxed):  # failed its check
+                yield item
+                if stop_on_error:
+                    stop_at = item.index if stop_at is None else min(stop_at, item.index)
+                    break
+            else:
+                batch.attach([item.atoms])
+                active.append(item)
+        if not admitted and not active:
+            break
+        stepping = []
+        for frame in active:
+            try:
+                done = frame.check()
+                outcome = frame.finished() if done else None
+            except Exception as exc:  # any failure of one frame (a model's error, non-finite forces) must not end the others
+                done, outcome = True, frame.failed(exc)
+            if done:
+                batch.detach(frame.atoms)
+                yield outcome
+                if outcome.error is not None and stop_on_error:
+                    stop_at = outcome.index if stop_at is None else min(stop_at, outcome.index)
+            else:
+                stepping.append(frame)
+        if stop_at is not None:  # a loop would not have started the frames after the failure
+            for frame in [f for f in stepping if f.outcome.index > stop_at]:
+                batch.detach(frame.atoms)
+            stepping = [f for f in stepping if f.outcome.index < stop_at]
+        for frame in stepping:
+            frame.step()
+        active = stepping
+
+
+def _admit(waiting: Iterator, places: int, potential: Potential, settings: RelaxSettings) -> list:
+    """Up to ``places`` next frames: a :class:`_Relaxing` for each that passes its check, the failed
+    :class:`Relaxed` for each that does not (failures do not take a place)."""
+    admitted: list = []
+    while places > 0:
+        item = next(waiting, None)
+        if item is None:
+            break
+        index, atoms = item
         try:
             check_frame(atoms, index, potential, settings.cell)
-            outcome.atoms, outcome.converged, outcome.steps, outcome.fmax = relax_structure(atoms, calculator, settings)
-            outcome.energy = float(outcome.atoms.get_potential_energy())
         except FrameError as exc:
-            outcome.error = str(exc)
-        except Exception as exc:  # any failure of one frame (a model's error, non-finite forces) must not end the others
-            what = str(exc) if isinstance(exc, (ValueError, OSError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
-            outcome.error = f"frame {index}: {what}"
-        yield outcome
+            admitted.append(Relaxed(index, len(atoms), error=str(exc)))
+            continue
+        admitted.append(_Relaxing(index, atoms.copy(), settings))
+        places -= 1
+    return admitted
 
 
 def _read_frames(path: Path) -> list:
@@ -205,6 +280,27 @@ def _write(outcome: Relaxed, output: Path) -> None:
     atoms = outcome.atoms
     atoms.info.update(frame=outcome.index, converged=outcome.converged, relax_steps=outcome.steps, fmax=outcome.fmax)
     ase.io.write(output, atoms, format="extxyz", append=True)
+
+
+class _InOrder:
+    """Appends relaxed frames to the output in input order: a frame waits until every earlier one is done."""
+
+    def __init__(self, output: Path) -> None:
+        self.output, self.done, self.next = output, {}, 0
+
+    def add(self, outcome: Relaxed) -> None:
+        self.done[outcome.index] = outcome
+        while self.next in self.done:
+            self._write(self.done.pop(self.next))
+            self.next += 1
+
+    def flush(self) -> None:
+        for index in sorted(self.done):
+            self._write(self.done.pop(index))
+
+    def _write(self, outcome: Relaxed) -> None:
+        if outcome.error is None:
+            _write(outcome, self.output)
 
 
 def summary_table(outcomes: list[Relaxed]) -> str:
@@ -236,21 +332,21 @@ def relax_file(structures: str | Path, output: str | Path, config: str | Path, s
     potential = load_potential(config)
     note(f"reading {structures}")
     frames = _read_frames(structures)
-    output.write_text("")  # relaxed frames are appended one by one
+    output.write_text("")  # relaxed frames are appended in input order as soon as every earlier frame is done
     outcomes: list[Relaxed] = []
+    writer = _InOrder(output)
     with tqdm(total=len(frames), file=sys.stderr, unit="frame", dynamic_ncols=True, desc="relax") as bar:
-        for outcome in relax_frames(frames, potential, settings):
+        for outcome in relax_frames(frames, potential, settings, stop_on_error=stop_on_error):
             outcomes.append(outcome)
-            if outcome.error is None:
-                _write(outcome, output)
-            elif stop_on_error:
-                bar.close()
-                print(summary_table(outcomes))
-                raise FrameError(outcome.error)
-            else:
+            writer.add(outcome)
+            if outcome.error is not None and not stop_on_error:
                 bar.write(f"halopipe relax: error: {outcome.error}", file=sys.stderr)
             bar.update()
+    writer.flush()
+    outcomes.sort(key=lambda o: o.index)
     print(summary_table(outcomes))
+    if stop_on_error and any(o.error is not None for o in outcomes):
+        raise FrameError(next(o.error for o in outcomes if o.error is not None))
     failed = [o.index for o in outcomes if o.error is not None]
     unconverged = [o.index for o in outcomes if o.error is None and not o.converged]
     if unconverged:
