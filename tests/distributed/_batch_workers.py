@@ -99,3 +99,15 @@ def failing_gather() -> str:
     except DistributedError as error:
         return str(error)
     return "no error"
+
+
+def empty_system() -> tuple:
+    """A system of no atoms on every rank: gathered, evaluated alone and inside a batch."""
+    empty = mixed()[-1]
+    assert empty.n_atoms == 0
+    config = DomainConfig(skin=0.3, timeout=30, split_atoms=8)
+    sharded = ShardedSystem.scatter(empty if rank() == 0 else None, config)
+    gathered = sharded.gather(sharded.positions)
+    alone = Pipeline(demo_like(), config=config)(empty if rank() == 0 else None, stress=True)
+    batch = Pipeline(demo_like(), config=config)([empty, salt(), empty] if rank() == 0 else None)
+    return tuple(gathered.shape), float(alone["energy"]), tuple(alone["forces"].shape), batch["energy"][[0, 2]].tolist()

@@ -5,7 +5,7 @@ import pytest
 from halopipe.distributed.launch import spawn
 from halopipe.distributed.pipeline import balanced_placement
 
-from ._batch_workers import all_cases, failing_gather, failing_species
+from ._batch_workers import all_cases, empty_system, failing_gather, failing_species
 
 
 def test_placement_splits_large_systems_and_balances_the_rest():
@@ -36,3 +36,9 @@ def test_a_model_error_on_one_rank_reaches_every_rank_with_its_cause():
 def test_an_error_inside_gather_reaches_every_rank_with_its_cause():
     for message in spawn(failing_gather, 3, timeout=100):
         assert "rank 1 failed during gather" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_a_system_of_no_atoms_alone_and_in_a_batch():
+    for result in spawn(empty_system, 3, timeout=100):
+        assert result == ((0, 3), 0.0, (0, 3), [0.0, 0.0]), result
