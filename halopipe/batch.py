@@ -52,14 +52,17 @@ class Batch:
     systems : the :class:`~halopipe.System` s, in order. They must share one
         dtype and device and carry the same per-atom fields (names, trailing
         shapes and dtypes): per-atom results are concatenated.
+    labels : each system's index in messages (default ``0, 1, ...``; a rank's
+        share of a larger batch keeps the indices of the whole batch).
     """
 
-    def __init__(self, systems: Sequence[System]) -> None:
+    def __init__(self, systems: Sequence[System], labels: Sequence[int] | None = None) -> None:
         systems = list(systems.systems if isinstance(systems, Batch) else systems)
         problem = batch_problem(systems)
         if problem:
             raise ValueError(f"Batch: {problem}")
         self.systems = systems
+        self.labels = list(range(len(systems))) if labels is None else list(labels)
         self.sizes = [s.n_atoms for s in systems]
         self.starts = [sum(self.sizes[:b]) for b in range(len(systems) + 1)]
 
@@ -173,6 +176,10 @@ class BatchDomain(LocalDomain):
 
     def compatible(self, batch: Batch) -> bool:
         return len(batch) == len(self.parts) and all(p.compatible(s) for p, s in zip(self.parts, batch.systems))
+
+    def label(self, b: int) -> str:
+        """How messages name system ``b``: ``"system 3 of the batch"`` (its index in the whole batch)."""
+        return f"system {self.batch.labels[b]} of the batch"
 
     def part_rows(self, b: int) -> slice:
         """Owned rows of system ``b``."""

@@ -369,7 +369,7 @@ class Pipeline(torch.nn.Module):
             try:
                 system.check_close_contacts()
             except ValueError as exc:
-                raise ValueError(f"system {b} of the batch: {exc}") from exc
+                raise ValueError(f"system {batch.labels[b]} of the batch: {exc}") from exc
         self._domain = BatchDomain(batch, skin=self.config.skin)
         return self._domain
 
@@ -437,7 +437,7 @@ def _evaluate_placed(pipeline: Pipeline, placement: BatchPlacement, stress: bool
     pieces: list[tuple[list[int], dict]] = []
     with placement.guard("batch evaluation"):
         if placement.whole_systems:
-            local = BatchDomain(Batch(placement.whole_systems), skin=pipeline.config.skin)
+            local = BatchDomain(Batch(placement.whole_systems, labels=placement.whole), skin=pipeline.config.skin)
             pieces.append((placement.whole, pipeline._evaluate_on(local, stress, energy, wanted)))
     for index, domain in placement.split:
         out = _gathered(pipeline._evaluate_on(domain, stress, energy, wanted), domain)
@@ -553,12 +553,12 @@ def build_view(
 
 
 # ---------------------------------------------------------------------- evaluation
-def _volume(cell: torch.Tensor) -> torch.Tensor:
+def _volume(cell: torch.Tensor, domain: Domain) -> torch.Tensor:
     """The cell's volume (one per system for a batch's ``(B, 3, 3)`` cells); an error for a flat cell."""
     v = torch.linalg.det(cell.detach().to(torch.float64)).abs()
     flat = (v < 1e-12).reshape(-1).nonzero()
     if flat.numel():
-        which = "the cell has" if cell.ndim == 2 else f"system {int(flat[0])} of the batch has a cell with"
+        which = "the cell has" if cell.ndim == 2 else f"{domain.label(int(flat[0]))} has a cell with"
         raise ValueError(f"stress requested but {which} zero volume; stress needs a cell spanning three dimensions")
     return v.to(cell.dtype)
 
@@ -587,7 +587,7 @@ def evaluate(
     """
     halo_of = halo_of or (lambda model: model.halo)
     if stress:
-        volume = _volume(domain.cell)
+        volume = _volume(domain.cell, domain)
     domain.prepare(pipeline.halo, problem)
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
     batched = domain.system is not None  # a batch of systems (halopipe.batch): energies and virial per system
@@ -632,7 +632,7 @@ def evaluate(
     reduced = domain.all_reduce(torch.cat([part.reshape(-1) for part in parts]))
     b = domain.n_systems if batched else 1
     totals = reduced[: k * b].reshape((k, b) if batched else (k,))
-    _raise_if_not_finite(pipeline, totals, reduced[k * b : k * b + len(broken)])
+    _raise_if_not_finite(pipeline, totals, reduced[k * b : k * b + len(broken)], domain)
     result = {"forces": forces, "fields": produced}
     result.update({gradient_key(name): gradients[name] for name in field_gradients})
     if energy:
@@ -644,7 +644,7 @@ def evaluate(
     return result
 
 
-def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups: torch.Tensor) -> None:
+def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups: torch.Tensor, domain: Domain) -> None:
     """:class:`~halopipe.models.NonFiniteError` naming the model whose energy, or the group whose forces, is not finite."""
     hint = "check the structure for atoms too close together and the model's parameters"
     names = [(name, step.model.name) for row, group in zip(pipeline.names, pipeline.groups) for name, step in zip(row, group.steps)]
@@ -652,7 +652,7 @@ def _raise_if_not_finite(pipeline: Pipeline, totals: torch.Tensor, broken_groups
         bad = [b for b, value in enumerate(values) if not math.isfinite(value)]
         if bad:
             label = model if name == model else f"{name} ({model})"
-            where = f" for system {bad[0]} of the batch" if totals.ndim == 2 else ""
+            where = f" for {domain.label(bad[0])}" if totals.ndim == 2 else ""
             raise NonFiniteError(f"{label} returned a non-finite energy ({values[bad[0]]}){where}; {hint}", model)
     for row, group, flag in zip(pipeline.names, pipeline.groups, broken_groups.tolist()):
         if flag != 0:
@@ -801,7 +801,7 @@ def _run_per_system(domain, step: Step, width: float, positions, cell, fields: d
         try:
             outs.append(_run_step(part, step, width, positions[rows], cell[b], own, None, direct, need_energy, need_virial))
         except ValueError as exc:
-            raise ValueError(f"system {b} of the batch: {exc}") from exc
+            raise ValueError(f"{domain.label(b)}: {exc}") from exc
     energies = None if any(o.energies is None for o in outs) else torch.cat([o.energies for o in outs])
     made = {name: torch.cat([o.fields[name] for o in outs]) for name in (outs[0].fields if outs else {})}
     out = ModelOutput(energies=energies, fields=made)

@@ -35,6 +35,7 @@ import torch
 
 from ..neighbors import row_centred_pairs
 from .base import LocalView, Model, ModelOutput, check_positive_length
+from .compile import CompiledStages
 
 __all__ = ["MACE"]
 
@@ -108,6 +109,9 @@ class MACE(Model):
         computed on every row, no communication between layers; for comparison).
     head : name of the readout head of a multi-head model (default: the only
         head, or the one called ``"Default"``).
+    compile : run the local pieces of the forward pass (edge embedding, each
+        layer) through ``torch.compile`` (:mod:`halopipe.models.compile`);
+        ``compile_kwargs`` go to it (``dynamic``, ``fullgraph``, ``mode``, ``options``).
 
     Notes
     -----
@@ -118,8 +122,12 @@ class MACE(Model):
     reaches owned atoms after ``L`` layers of a halo ``L * r_max`` wide.
     """
 
-    def __init__(self, module: torch.nn.Module, halo_mode: str = "layer", head: str | None = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, halo_mode: str = "layer", head: str | None = None, compile: bool = False, compile_kwargs=None
+    ) -> None:
         super().__init__()
+        self.stages = CompiledStages("MACE")
+        self.stages.enable(compile, compile_kwargs)
         _check_supported(module)
         if halo_mode not in _HALO_MODES:
             raise ValueError(f"MACE: halo_mode must be one of {_HALO_MODES}, got {halo_mode!r}")
@@ -198,18 +206,40 @@ class MACE(Model):
 
     # ------------------------------------------------------------------ forward
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
-        m, n = self.module, view.n_owned
+        n = view.n_owned
         dtype = self.dtype
         attrs = self.node_attrs(view.numbers, dtype)
         edge_index, vectors = self._graph(view, dtype)
-        lengths = vectors.norm(dim=-1, keepdim=True)
+        owned = torch.arange(n, device=attrs.device)  # owned rows by index inside stages: a new count needs no recompile
+        run = self.stages.run  # local pieces, compiled with compile=True; refreshes stay eager between them
+        edge_attrs, edge_feats, cutoff, lengths, node_feats = run("embedding", self._embedding, vectors, attrs, edge_index)
+        per_layer = []
+        for k in range(self.num_layers):
+            layer = self._layer_function(k)
+            node_feats = run(f"layer{k}", layer, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned)
+            if self.halo_mode == "wide":
+                per_layer.append(node_feats[:n])
+            else:
+                # Only owned receivers have complete neighbourhoods: the layer finished on them, ghosts take their owners' values.
+                per_layer.append(node_feats)
+                if k + 1 < self.num_layers:
+                    node_feats = view.refresh(node_feats)
+        energies = self._energies(n, attrs, per_layer, edge_index, lengths)
+        return ModelOutput(energies=energies.to(view.positions.dtype))
 
+    def _embedding(self, vectors: torch.Tensor, attrs: torch.Tensor, edge_index: torch.Tensor) -> tuple:
+        """Edge attributes and features, the cutoff envelope, edge lengths and the first node features."""
+        m = self.module
+        lengths = vectors.norm(dim=-1, keepdim=True)
         edge_attrs = m.spherical_harmonics(vectors)
         edge_feats, cutoff = m.radial_embedding(lengths, attrs, edge_index, m.atomic_numbers)
-        node_feats = m.node_embedding(attrs)
+        return edge_attrs, edge_feats, cutoff, lengths, m.node_embedding(attrs)
 
-        per_layer = []
-        for k, (interaction, product) in enumerate(zip(m.interactions, m.products)):
+    def _layer_function(self, k: int):
+        """Layer ``k``: interaction on every row, then the product (on the owned rows, selected by ``owned``, in layer mode)."""
+        interaction, product, wide = self.module.interactions[k], self.module.products[k], self.halo_mode == "wide"
+
+        def layer(attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned):
             node_feats, sc = interaction(
                 node_attrs=attrs,
                 node_feats=node_feats,
@@ -219,17 +249,11 @@ class MACE(Model):
                 cutoff=cutoff,
                 first_layer=(k == 0),
             )
-            if self.halo_mode == "wide":
-                node_feats = _product(product, node_feats, sc, attrs)
-            else:
-                # Only owned receivers have complete neighbourhoods: the product
-                # runs on them and ghosts take their owners' values.
-                owned = _product(product, node_feats[:n], None if sc is None else sc[:n], attrs[:n])
-                node_feats = view.refresh(owned) if k + 1 < self.num_layers else owned
-            per_layer.append(node_feats[:n])
+            if wide:
+                return _product(product, node_feats, sc, attrs)
+            return _product(product, node_feats[owned], None if sc is None else sc[owned], attrs[owned])
 
-        energies = self._energies(n, attrs, per_layer, edge_index, lengths)
-        return ModelOutput(energies=energies.to(view.positions.dtype))
+        return layer
 
     def _energies(
         self, n: int, attrs: torch.Tensor, per_layer: list[torch.Tensor], edge_index: torch.Tensor, lengths: torch.Tensor

@@ -1,0 +1,53 @@
+"""``MACE(compile=True)``: compiled stages against the eager model, sizes that change without recompiling, and the
+eager fallback when compiling fails."""
+
+import pytest
+import torch
+
+from halopipe import MACE, DomainConfig, Pipeline, System
+
+from .test_mace import build_model, make_atoms
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+
+def test_compiled_equals_eager_and_new_sizes_do_not_recompile():
+    module = build_model("scaleshift_L2_corr3")
+    eager = Pipeline([MACE(module)], DomainConfig(skin=0.5))
+    compiled = Pipeline([MACE(module, compile=True)], DomainConfig(skin=0.5))
+    stages = compiled.models[0].stages
+    counts = []
+    for n_side in (3, 4, 3):
+        system = System.from_ase(make_atoms(True, n_side=n_side))
+        want, got = eager(system, stress=True), compiled(system, stress=True)
+        assert float(got["energy"]) == pytest.approx(float(want["energy"]), rel=1e-12)
+        torch.testing.assert_close(got["forces"], want["forces"], rtol=0, atol=1e-10)
+        torch.testing.assert_close(got["stress"], want["stress"], rtol=0, atol=1e-12)
+        counts.append(stages.compilations)
+    assert stages.failure is None and counts[0] > 0
+    assert counts[1] == counts[0] == counts[2]  # 27 -> 64 -> 27 atoms (other ghost and edge counts): no recompile
+
+
+def test_a_failing_compile_warns_once_and_runs_eagerly():
+    module = build_model("scaleshift_L2_corr3")
+    model = MACE(module, compile=True)
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C++ compiler found (simulated)")
+
+    model.stages._backend = broken
+    system = System.from_ase(make_atoms(True))
+    with pytest.warns(RuntimeWarning, match=r"MACE: compile=True failed in stage 'embedding' .*no C\+\+ compiler"):
+        got = Pipeline([model])(system)
+    want = Pipeline([MACE(module)])(system)
+    torch.testing.assert_close(got["forces"], want["forces"], rtol=0, atol=1e-12)
+    assert model.stages.failure is not None
+
+
+def test_unknown_compile_kwargs_are_refused():
+    with pytest.raises(ValueError, match=r"compile_kwargs \['backend'\] are not supported"):
+        MACE(build_model("scaleshift_L2_corr3"), compile=True, compile_kwargs={"backend": "eager"})
