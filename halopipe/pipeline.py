@@ -439,6 +439,9 @@ def _evaluate_placed(pipeline: Pipeline, placement: BatchPlacement, stress: bool
         if placement.whole_systems:
             local = BatchDomain(Batch(placement.whole_systems, labels=placement.whole), skin=pipeline.config.skin)
             pieces.append((placement.whole, pipeline._evaluate_on(local, stress, energy, wanted)))
+    # A reduction that waits watching for a peer's failure: a rank whose local batch failed has reported it, and
+    # every other rank raises that cause here instead of blocking in the object gather below until the timeout.
+    placement.agree(None)
     for index, domain in placement.split:
         out = _gathered(pipeline._evaluate_on(domain, stress, energy, wanted), domain)
         if placement.is_root:  # every rank holds the gathered results; one adds them
