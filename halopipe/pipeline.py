@@ -41,6 +41,7 @@ import torch
 from .batch import Batch, BatchDomain, BatchPlacement
 from .domain import Domain, DomainConfig, LocalDomain
 from .models.base import LocalView, Model, ModelOutput, NonFiniteError
+from .models.compile import compile_models
 from .neighbors import pair_vectors
 from .system import System
 
@@ -195,6 +196,13 @@ class Pipeline(torch.nn.Module):
     config : :class:`~halopipe.domain.DomainConfig`: the skin (plans and
         lists are reused until some atom moved more than ``skin / 2``), the
         brick grid, the halo mode and the timeout; default ``DomainConfig()``.
+    compile : compile the local stages of every model that has them (MACE,
+        SevenNet, TorchModel: forces by autograd through a network) with
+        ``torch.compile`` (:mod:`halopipe.models.compile`); a model built with
+        ``compile=True`` keeps its own settings. :attr:`compilations` counts
+        the graphs compiled so far.
+    compile_kwargs : options of the compilation (``dynamic``, ``fullgraph``,
+        ``mode``, ``options``); only with ``compile=True``.
 
     Calling ``pipeline(system, stress=False, energy=True)`` evaluates
 
@@ -240,14 +248,18 @@ class Pipeline(torch.nn.Module):
     nothing changes.
     """
 
-    def __init__(self, groups, config: DomainConfig | None = None) -> None:
+    def __init__(self, groups, config: DomainConfig | None = None, *, compile: bool = False, compile_kwargs: dict | None = None) -> None:
         super().__init__()
         if config is not None and not isinstance(config, DomainConfig):
             raise TypeError(f"Pipeline: config must be a DomainConfig, got {type(config).__name__}")
+        if compile_kwargs is not None and not compile:
+            raise ValueError("Pipeline: compile_kwargs were given without compile=True; add compile=True or remove them")
         self.groups = _as_groups(groups)
         _check_wiring(self.groups)
         self.names = _unique_names(self.groups)
         self.models = torch.nn.ModuleList([s.model for g in self.groups for s in g.steps])
+        if compile:
+            compile_models(self.models, compile_kwargs)
         self.config = config if config is not None else DomainConfig()
         self._domain: LocalDomain | None = None
 
@@ -259,6 +271,11 @@ class Pipeline(torch.nn.Module):
     @property
     def cutoff(self) -> float:
         return max(s.model.cutoff for g in self.groups for s in g.steps)
+
+    @property
+    def compilations(self) -> int:
+        """Graphs compiled so far by the models' compiled stages (0 when nothing is compiled)."""
+        return sum(m.stages.compilations for m in self.models if m.stages is not None)
 
     def halo_of(self, model: Model) -> float:
         """The ghost width ``model``'s view uses: its own halo, or the widest with ``config.halo == "max"``."""

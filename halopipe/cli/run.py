@@ -153,6 +153,7 @@ def run_worker(data: dict, source: str, directory: str, restart: bool, allow_cha
     sim.run(max(config.steps - sim.step, 0))
     thermo = sim.thermo()
     rebuilds = int(sim.sharded.all_reduce(torch.tensor([sim.sharded.rebuilds]), "max")[0])
+    compilations = int(sim.sharded.all_reduce(torch.tensor([sim.potential.compilations]), "max")[0])
     if sim.rank != 0:
         return {}
     return {
@@ -164,6 +165,7 @@ def run_worker(data: dict, source: str, directory: str, restart: bool, allow_cha
         "seconds": sim.timing.seconds,
         "thermo": thermo,
         "rebuilds": rebuilds,
+        "compilations": compilations,
         "world_size": sim.sharded.world_size,
         "timestep": integrator.timestep,
         "converged": getattr(integrator, "converged", False),
@@ -196,6 +198,8 @@ def _print_summary(result: dict) -> None:
         f"finished at step {result['steps']} ({result['ran']} steps in {result['seconds']:.1f} s, {rate:.1f} steps/s, "
         f"{rate * result['timestep'] * 86400 / 1e6:.3f} ns/day, {result['rebuilds']} neighbour-list rebuilds on the busiest rank)"
     )
+    if result.get("compilations"):
+        print(f"torch.compile: {result['compilations']} graphs compiled on the busiest rank (first compiles and recompiles)")
     print(
         f"final: T = {th['temperature']:.1f} K, E_pot = {th['potential']:.6f} eV, E_total = {th['total']:.6f} eV, "
         f"conserved = {th['conserved']:.6f} eV"

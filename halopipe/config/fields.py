@@ -81,6 +81,19 @@ def import_object(target: str, what: str = "object"):
 
 
 ExistingFile = Annotated[str, AfterValidator(_existing_file)]
+
+
+def _compile_options(value: dict) -> dict:
+    from ..models.compile import COMPILE_OPTIONS
+
+    unknown = sorted(set(value) - COMPILE_OPTIONS)
+    if unknown:
+        raise ValueError(f"{unknown} are not torch.compile options halopipe passes on; use some of {sorted(COMPILE_OPTIONS)}")
+    return value
+
+
+CompileOptions = Annotated[dict[str, Any], AfterValidator(_compile_options)]
+"""``compile_kwargs``: a subset of :data:`halopipe.models.compile.COMPILE_OPTIONS`."""
 ImportPath = Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*[.:][A-Za-z_]\w*$", description="'package.module:name'")]
 
 

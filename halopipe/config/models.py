@@ -24,6 +24,7 @@ from pydantic import AfterValidator, ConfigDict, Field, ValidationInfo, model_va
 
 from .errors import ConfigError
 from .fields import (
+    CompileOptions,
     ElementTable,
     ExistingFile,
     ImportPath,
@@ -190,6 +191,9 @@ class MACESpec(ModelSpec):
     file: ExistingFile = Field(description="model saved by mace-torch (torch.save); relative to this configuration")
     halo_mode: Literal["layer", "wide"] | None = Field(None, description="layer: halo r_max with refreshed ghosts (default)")
     head: str | None = Field(None, description="readout head of a multi-head model")
+    compile: bool | None = Field(None, description="run the network's local stages through torch.compile")
+    compile_kwargs: CompileOptions | None = Field(None, description="torch.compile options: dynamic, fullgraph, mode, options")
+    checkpoint: bool | None = Field(None, description="recompute each layer's activations in the backward pass (less memory)")
 
     def build(self):
         parameters = self.parameters()
@@ -219,6 +223,9 @@ class SevenNetSpec(ModelSpec):
     )
     modal: str | None = Field(None, description="fidelity of a multi-fidelity model (e.g. 'mpa' for 7net-mf-0)")
     halo_mode: Literal["layer", "wide"] | None = Field(None, description="layer: halo of one cutoff with refreshed ghosts (default)")
+    compile: bool | None = Field(None, description="run the network's local stages through torch.compile")
+    compile_kwargs: CompileOptions | None = Field(None, description="torch.compile options: dynamic, fullgraph, mode, options")
+    checkpoint: bool | None = Field(None, description="recompute each layer's activations in the backward pass (less memory)")
 
     def missing_species(self, model, species):
         lacking = [z for z in species if z not in model.species]
@@ -238,6 +245,8 @@ class TorchModelSpec(ModelSpec):
     cutoff: Positive = Field(description="graph radius, Å")
     layers: PositiveInt | None = Field(None, description="message-passing layers (the receptive field is layers * cutoff)")
     per_layer: bool | None = Field(None, description="halo of one cutoff with ghost features refreshed between layers")
+    compile: bool | None = Field(None, description="run the network's local stages through torch.compile")
+    compile_kwargs: CompileOptions | None = Field(None, description="torch.compile options: dynamic, fullgraph, mode, options")
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -89,7 +89,7 @@ class RunConfig:
                 groups = [Step(model, name=name) for name, model in models.items()]
             else:
                 groups = [_group(spec, models) for spec in self.spec.groups]
-            pipeline = Pipeline(groups, config=self.domain_config())
+            pipeline = Pipeline(groups, config=self.domain_config(), compile=self.spec.compile, compile_kwargs=self.spec.compile_kwargs)
         except (ValueError, TypeError) as exc:
             raise ConfigError("groups", str(exc)) from exc
         return pipeline.to(dtype=self.dtype, device=self.device)

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, ValidationInfo, model_validator
 
 from .errors import ConfigError
-from .fields import Count, ElementTable, ExistingFile, Int, NonNegative, Positive, PositiveInt, Section, tagged_union
+from .fields import CompileOptions, Count, ElementTable, ExistingFile, Int, NonNegative, Positive, PositiveInt, Section, tagged_union
 from .integrators import IntegratorEntry
 from .models import ModelEntry
 
@@ -207,6 +207,8 @@ class RunSpec(Section):
     outputs: OutputsSpec = Field(default_factory=OutputsSpec)
     precision: Literal["float64", "float32"] = "float64"
     device: Literal["cpu", "cuda"] = "cpu"
+    compile: bool = Field(False, description="compile every MLIP's local stages with torch.compile (MACE, SevenNet, TorchModel)")
+    compile_kwargs: CompileOptions | None = Field(None, description="torch.compile options: dynamic, fullgraph, mode, options")
 
     @model_validator(mode="after")
     def _complete(self, info: ValidationInfo):
@@ -218,6 +220,8 @@ class RunSpec(Section):
         directory = Path(self.outputs.directory or f"runs/{self.name}").expanduser()
         self.outputs.directory = str(directory if directory.is_absolute() else Path.cwd() / directory)
         self._check_groups()
+        if self.compile_kwargs is not None and not self.compile:
+            raise ConfigError("compile_kwargs", "given without 'compile: true'; add it or remove compile_kwargs")
         if self.device == "cuda":
             import torch
 

@@ -42,6 +42,7 @@ import torch
 
 from ..neighbors import owned_pairs, pair_vectors
 from .base import LocalView, Model, ModelOutput, check_positive_length
+from .compile import CompiledStages
 
 __all__ = ["HOOKS", "TorchModel"]
 
@@ -63,6 +64,9 @@ class TorchModel(Model):
     per_layer : evaluate layer by layer with a halo of one ``cutoff`` and
         ghost features refreshed between layers (needs the hooks); otherwise
         a multi-layer module gets a wide halo ``layers * cutoff``.
+    compile : run the module (or each hook) through ``torch.compile``
+        (:mod:`halopipe.models.compile`); ``compile_kwargs`` go to it
+        (``dynamic``, ``fullgraph``, ``mode``, ``options``).
 
     Notes
     -----
@@ -71,8 +75,18 @@ class TorchModel(Model):
     float64 systems).
     """
 
-    def __init__(self, module: torch.nn.Module, cutoff: float, layers: int = 1, per_layer: bool = False) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        cutoff: float,
+        layers: int = 1,
+        per_layer: bool = False,
+        compile: bool = False,
+        compile_kwargs: dict | None = None,
+    ) -> None:
         super().__init__()
+        self.stages = CompiledStages("TorchModel")
+        self.stages.enable(compile, compile_kwargs)
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"TorchModel: module must be a torch.nn.Module, got {type(module).__name__}")
         check_positive_length("TorchModel", "cutoff", cutoff)
@@ -106,23 +120,27 @@ class TorchModel(Model):
             energies = self._layer_by_layer(view)
         elif self.layers == 1:
             # Owned centres see complete neighbourhoods: the view's pairs suffice.
-            energies = self.module(view.numbers, view.pairs, view.vectors, view.n_rows)[: view.n_owned]
+            energies = self.stages.run("module", self.module, view.numbers, view.pairs, view.vectors, view.n_rows)[: view.n_owned]
         else:
             # Every row is a centre so that ghosts get (partial) features of their own.
             pairs = owned_pairs(view.positions.detach(), view.n_rows, self.cutoff)
             vectors, _ = pair_vectors(view.positions, pairs)
-            energies = self.module(view.numbers, pairs, vectors, view.n_rows)[: view.n_owned]
+            energies = self.stages.run("module", self.module, view.numbers, pairs, vectors, view.n_rows)[: view.n_owned]
         self._check(energies, view.n_owned)
         return ModelOutput(energies=energies.to(view.positions.dtype))
 
     def _layer_by_layer(self, view: LocalView) -> torch.Tensor:
-        n = view.n_owned
-        features = self.module.embed(view.numbers)  # local: ghosts need no refresh
+        n, run = view.n_owned, self.stages.run
+        features = run("embed", self.module.embed, view.numbers)  # local: ghosts need no refresh
         for k in range(self.layers):
-            owned = self.module.layer(k, features, view.numbers, view.pairs, view.vectors)[:n]
+            owned = run(f"layer{k}", self._layer_function(k), features, view.numbers, view.pairs, view.vectors)[:n]
             # Same refresh sequence on every rank (collective), none after the last layer.
             features = view.refresh(owned) if k + 1 < self.layers else owned
-        return self.module.readout(features, view.numbers[:n])
+        return run("readout", self.module.readout, features, view.numbers[:n])
+
+    def _layer_function(self, k: int):
+        """The module's layer hook for layer ``k`` (its own compiled stage)."""
+        return lambda features, numbers, pairs, vectors: self.module.layer(k, features, numbers, pairs, vectors)
 
     def _check(self, energies: torch.Tensor, n: int) -> None:
         if energies.shape != (n,):

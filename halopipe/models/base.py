@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .compile import CompiledStages
+
 __all__ = ["LocalView", "ModelOutput", "Model", "NonFiniteError", "check_positive_length", "virial_from_forces", "direct_by_local_autograd"]
 
 
@@ -184,7 +186,9 @@ class Model(torch.nn.Module):
     the cutoff are needed. ``batchable = True`` says the model can take a whole batch of systems in
     one view (:mod:`halopipe.batch`): its energy is a sum of terms over the rows and pairs it is
     given, it never reads ``cell``, ``pbc`` or ``n_total``, and any sum over atoms goes through
-    :meth:`LocalView.system_sum`; other models see one view per system of a batch.
+    :meth:`LocalView.system_sum`; other models see one view per system of a batch. ``stages`` is a
+    :class:`~halopipe.models.compile.CompiledStages` for models whose local work can run under
+    ``torch.compile`` (``Pipeline(compile=True)``); None for the others.
     """
 
     cutoff: float = 0.0
@@ -194,6 +198,7 @@ class Model(torch.nn.Module):
     ghost_forces: bool = True
     half_list: bool = False
     batchable: bool = False
+    stages: CompiledStages | None = None
 
     @property
     def halo(self) -> float:

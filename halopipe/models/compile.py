@@ -21,16 +21,27 @@ compiled, so a run can report and bound them.
 A failure to compile (an operation dynamo cannot trace, no C++ compiler) warns
 once, naming the cause, and the model runs eagerly from then on: never a
 crash, never a silent slow path.
+
+Stages are also where memory is traded for time: with ``checkpoint=True`` a
+model's layer stages keep only their inputs for the backward pass and
+recompute their activations there (``torch.utils.checkpoint``), so peak memory
+holds one layer's activations instead of all of them.
+
+``Pipeline(..., compile=True, compile_kwargs=...)`` (the seed's option) turns
+compilation on for every model that has stages (MACE, SevenNet, TorchModel);
+physics models (pairs, Ewald, PME, D3) run hand-written kernels and have none.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["CompiledStages", "COMPILE_OPTIONS"]
+__all__ = ["CompiledStages", "COMPILE_OPTIONS", "compile_models"]
 
 COMPILE_OPTIONS = frozenset({"dynamic", "fullgraph", "mode", "options"})
 """``compile_kwargs`` accepted (those of ``torch.compile`` that keep halopipe's counting backend)."""
@@ -42,10 +53,13 @@ class CompiledStages:
     Parameters
     ----------
     owner : the model's name, for warnings.
+    checkpoint : recompute the activations of stages run with ``recompute=True``
+        (a model's layers) in the backward pass instead of keeping them.
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, checkpoint: bool = False) -> None:
         self.owner = owner
+        self.checkpoint = bool(checkpoint)
         self.enabled = False
         self.options: dict = {}
         self.compilations = 0
@@ -55,6 +69,8 @@ class CompiledStages:
     def enable(self, enabled: bool = True, compile_kwargs: dict | None = None) -> None:
         """Turn compilation on (or off) with ``compile_kwargs`` (a subset of :data:`COMPILE_OPTIONS`)."""
         options = dict(compile_kwargs or {})
+        if options and not enabled:
+            raise ValueError(f"{self.owner}: compile_kwargs were given without compile=True; add compile=True or remove them")
         unknown = sorted(set(options) - COMPILE_OPTIONS)
         if unknown:
             raise ValueError(f"{self.owner}: compile_kwargs {unknown} are not supported; use some of {sorted(COMPILE_OPTIONS)}")
@@ -62,14 +78,23 @@ class CompiledStages:
             raise ValueError(f"{self.owner}: compile_kwargs may give 'mode' or 'options', not both (as torch.compile)")
         self.enabled, self.options, self._compiled = bool(enabled), options, {}
 
-    def run(self, name: str, fn: Callable, *args):
-        """``fn(*args)``, through its compiled version when enabled (compiled at the first call of ``name``)."""
+    def run(self, name: str, fn: Callable, *args, recompute: bool = False):
+        """``fn(*args)``, through its compiled version when enabled (compiled at the first call of ``name``).
+
+        With ``recompute=True`` and :attr:`checkpoint` on, the stage's
+        activations are recomputed in the backward pass rather than kept.
+        """
+        if recompute and self.checkpoint and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._call, name, fn, *args, use_reentrant=False)
+        return self._call(name, fn, *args)
+
+    def _call(self, name: str, fn: Callable, *args):
         if not self.enabled or self.failure is not None:
             return fn(*args)
         compiled = self._compiled.get(name)
         if compiled is None:
             dynamic = self.options.get("dynamic", True)
-            compiled = torch.compile(fn, backend=self._backend, dynamic=dynamic, fullgraph=self.options.get("fullgraph", False))
+            compiled = torch.compile(_own_code(fn, f"{self.owner}_{name}"), backend=self._backend, dynamic=dynamic, fullgraph=self.options.get("fullgraph", False))
             self._compiled[name] = compiled
         try:
             return compiled(*args)
@@ -92,6 +117,38 @@ class CompiledStages:
         if "mode" in self.options:
             patches.update(list_mode_options(self.options["mode"], self.options.get("dynamic", True)))
         return compile_fx(graph, example_inputs, config_patches=patches or None)
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """``fn`` with a code object of its own, named ``name``, if it is a plain function.
+
+    Dynamo keeps compiled graphs per code object, under a limit of a few
+    entries: the stages a model builds from one function (a closure per layer)
+    would share one cache, guard on the layer index, and could exhaust the
+    limit, after which dynamo runs eagerly without a word.
+    """
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def compile_models(models, compile_kwargs: dict | None = None) -> None:
+    """Compile the stages of every model in ``models`` that has them and is not compiled already.
+
+    A model compiled with its own ``compile_kwargs`` keeps them. Raises
+    ``ValueError`` when no model has stages: ``compile=True`` would change nothing.
+    """
+    stages = [m.stages for m in models if isinstance(getattr(m, "stages", None), CompiledStages)]
+    if not stages:
+        names = ", ".join(sorted({type(m).__name__ for m in models}))
+        raise ValueError(
+            f"compile=True, but none of the models ({names}) has compiled stages; compilation applies to models whose forces "
+            "come from autograd through a network (MACE, SevenNet, TorchModel): remove compile"
+        )
+    for s in stages:
+        if not s.enabled:
+            s.enable(True, compile_kwargs)
 
 
 def _cause(exc: Exception) -> str:

@@ -112,6 +112,8 @@ class MACE(Model):
     compile : run the local pieces of the forward pass (edge embedding, each
         layer) through ``torch.compile`` (:mod:`halopipe.models.compile`);
         ``compile_kwargs`` go to it (``dynamic``, ``fullgraph``, ``mode``, ``options``).
+    checkpoint : recompute each layer's activations in the backward pass
+        instead of keeping them (less memory, one more forward pass of the layers).
 
     Notes
     -----
@@ -123,10 +125,16 @@ class MACE(Model):
     """
 
     def __init__(
-        self, module: torch.nn.Module, halo_mode: str = "layer", head: str | None = None, compile: bool = False, compile_kwargs=None
+        self,
+        module: torch.nn.Module,
+        halo_mode: str = "layer",
+        head: str | None = None,
+        compile: bool = False,
+        compile_kwargs: dict | None = None,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
-        self.stages = CompiledStages("MACE")
+        self.stages = CompiledStages("MACE", checkpoint)
         self.stages.enable(compile, compile_kwargs)
         _check_supported(module)
         if halo_mode not in _HALO_MODES:
@@ -162,7 +170,7 @@ class MACE(Model):
         The file is unpickled (``weights_only=False``): load only files you
         trust. It is loaded onto ``map_location`` (CPU by default, so that
         files saved on a GPU load anywhere); move the model with ``.to(device)``.
-        ``kwargs`` go to the constructor (``halo_mode``, ``head``).
+        ``kwargs`` go to the constructor (``halo_mode``, ``head``, ``compile``, ...).
         """
         path = Path(path)
         if not path.is_file():
@@ -216,7 +224,7 @@ class MACE(Model):
         per_layer = []
         for k in range(self.num_layers):
             layer = self._layer_function(k)
-            node_feats = run(f"layer{k}", layer, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned)
+            node_feats = run(f"layer{k}", layer, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned, recompute=True)
             if self.halo_mode == "wide":
                 per_layer.append(node_feats[:n])
             else:

@@ -34,6 +34,7 @@ import torch
 
 from ..neighbors import row_centred_pairs
 from .base import LocalView, Model, ModelOutput
+from .compile import CompiledStages
 
 __all__ = ["SevenNet"]
 
@@ -124,6 +125,11 @@ class SevenNet(Model):
         passed module); ``None`` keeps the module's dtype (float32 for the
         shipped checkpoints). Positions are cast to it and energies cast back
         to the system's dtype.
+    compile : run the embedding, each layer and the readout through
+        ``torch.compile`` (:mod:`halopipe.models.compile`); ``compile_kwargs``
+        go to it (``dynamic``, ``fullgraph``, ``mode``, ``options``).
+    checkpoint : recompute each layer's activations in the backward pass
+        instead of keeping them (less memory, one more forward pass of the layers).
 
     Examples
     --------
@@ -137,8 +143,13 @@ class SevenNet(Model):
         modal: str | None = None,
         halo_mode: str = "layer",
         dtype: str | torch.dtype | None = None,
+        compile: bool = False,
+        compile_kwargs: dict | None = None,
+        checkpoint: bool = False,
     ) -> None:
         super().__init__()
+        self.stages = CompiledStages("SevenNet", checkpoint)
+        self.stages.enable(compile, compile_kwargs)
         if halo_mode not in _HALO_MODES:
             raise ValueError(f"SevenNet: halo_mode must be one of {_HALO_MODES}, got {halo_mode!r}")
         module = model if isinstance(model, torch.nn.Module) else load_sevennet(model)
@@ -201,45 +212,65 @@ class SevenNet(Model):
         return pairs, vectors.to(dtype)
 
     def _inputs(self, view: LocalView, dtype: torch.dtype) -> dict:
+        """The graph as sevenn data: species indices (checked here, eagerly), edges and the modality."""
         KEY = _keys()
         edge_index, vectors = self._graph(view, dtype)
         data = {KEY.NODE_FEATURE: self.type_indices(view.numbers), KEY.EDGE_IDX: edge_index, KEY.EDGE_VEC: vectors}
         if self.modal_index is not None:
             data[KEY.MODAL_TYPE] = torch.tensor(self.modal_index, dtype=torch.int64, device=vectors.device)
+        return data
+
+    def _embed(self, data: dict) -> dict:
+        dtype = self.dtype
         for module in self.embedding:
             # sevenn's one-hot embeddings are always float32; the model may have been cast.
             data = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in module(data).items()}
         return data
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
-        KEY = _keys()
-        n = view.n_owned
-        data = self._inputs(view, self.dtype)
-        rows = {k: data[k] for k in _node_keys() if k in data and k != KEY.NODE_FEATURE}
-        for k, (before, convolution, after) in enumerate(self.layers):
+    def _layer_function(self, k: int):
+        """Layer ``k``: modules before the convolution and the convolution on every row, the rest on owned rows in layer mode."""
+        before, convolution, after = self.layers[k]
+        layer_mode = self.halo_mode == "layer"
+
+        def layer(data: dict, owned: torch.Tensor) -> dict:
             for module in before:
                 data = module(data)
             data = convolution(data)
-            if self.halo_mode == "layer":
-                # Only owned centres received complete messages: finish the layer on
-                # them, then ghosts take their owners' features.
-                data = _owned(data, n)
+            if layer_mode:
+                # Only owned centres received complete messages: finish the layer on them.
+                data = _owned(data, owned)
             for module in after:
                 data = module(data)
-            if self.halo_mode == "layer" and k + 1 < self.num_layers:
-                data = {**data, **rows, KEY.NODE_FEATURE: view.refresh(data[KEY.NODE_FEATURE])}
-        data = _owned(data, n)
+            return data
+
+        return layer
+
+    def _readout(self, data: dict, owned: torch.Tensor) -> torch.Tensor:
+        data = _owned(data, owned)
         for module in self.readout:
             data = module(data)
-        energies = data[KEY.ATOMIC_ENERGY].reshape(-1)
+        return data[_keys().ATOMIC_ENERGY].reshape(-1)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
+        KEY = _keys()
+        run = self.stages.run  # local pieces, compiled with compile=True; refreshes stay eager between them
+        owned = torch.arange(view.n_owned, device=view.positions.device)  # by index inside stages: a new count needs no recompile
+        data = run("embedding", self._embed, self._inputs(view, self.dtype))
+        rows = {k: data[k] for k in _node_keys() if k in data and k != KEY.NODE_FEATURE}
+        for k in range(self.num_layers):
+            data = run(f"layer{k}", self._layer_function(k), data, owned, recompute=True)
+            if self.halo_mode == "layer" and k + 1 < self.num_layers:
+                # Ghosts take their owners' features before the next layer.
+                data = {**data, **rows, KEY.NODE_FEATURE: view.refresh(data[KEY.NODE_FEATURE])}
+        energies = run("readout", self._readout, data, owned)
         return ModelOutput(energies=energies.to(view.positions.dtype))
 
 
-def _owned(data: dict, n: int) -> dict:
-    """The data with its per-row entries cut to the first ``n`` (owned) rows."""
+def _owned(data: dict, owned: torch.Tensor) -> dict:
+    """The data with its per-row entries cut to the ``owned`` rows (an index tensor: the first rows)."""
     keys = _node_keys()
-    return {k: (v[:n] if k in keys else v) for k, v in data.items()}
+    return {k: (v[owned] if k in keys else v) for k, v in data.items()}
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -10,6 +10,7 @@ mode, must reproduce it.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ ase = pytest.importorskip("ase")
 from ase.build import bulk
 from ase.neighborlist import neighbor_list
 
+from halopipe import LennardJones
 from halopipe.models.adapter import TorchModel
 from halopipe.pipeline import Group, Pipeline, Step
 from halopipe.system import System
@@ -32,6 +34,7 @@ def _load_example():
     path = Path(__file__).resolve().parents[2] / "examples" / "message_passing.py"
     spec = importlib.util.spec_from_file_location("message_passing_example", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # importable by name, as torch.compile's tracing needs
     spec.loader.exec_module(module)
     return module
 
@@ -141,3 +144,40 @@ def test_bad_input():
 def test_check_model():
     net = MessagePassing(cutoff=3.0, layers=3, seed=5).double()
     check_model(TorchModel(net, 3.0, layers=3, per_layer=True), System.from_ase(make_atoms("diamond")))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_compiled_equals_the_reference_and_new_sizes_do_not_recompile(per_layer):
+    """``compile=True`` through the pipeline: the same numbers as the periodic reference, one set of graphs."""
+    cutoff, layers = 3.0, 2
+    net = MessagePassing(cutoff=cutoff, layers=layers, seed=7).double()
+    model = TorchModel(net, cutoff, layers=layers, per_layer=per_layer)
+    pipeline = Pipeline([Group([Step(model)], autograd=True)], compile=True)
+    counts = []
+    for repeat, seed in ((1, 0), (2, 1), (1, 2)):
+        atoms = make_atoms("triclinic", seed).repeat((repeat, 1, 1))
+        ref = reference(net, atoms, cutoff)
+        out = pipeline(System.from_ase(atoms), stress=True)
+        assert float(out["energy"]) == pytest.approx(ref["energy"], rel=1e-12)
+        np.testing.assert_allclose(out["forces"].detach().numpy(), ref["forces"], rtol=0, atol=1e-10)
+        np.testing.assert_allclose(out["stress"].detach().numpy(), ref["stress"], rtol=0, atol=1e-12)
+        counts.append(pipeline.compilations)
+    assert model.stages.failure is None and counts[0] > 0
+    assert counts[0] == counts[1] == counts[2], counts  # 27 -> 54 -> 27 atoms: other row and pair counts, no recompile
+
+
+def test_compile_options_are_checked():
+    net = MessagePassing()
+    with pytest.raises(ValueError, match="none of the models .*LennardJones.* has compiled stages"):
+        Pipeline([LennardJones(0.01, 3.0, cutoff=5.0)], compile=True)
+    with pytest.raises(ValueError, match="compile_kwargs were given without compile=True"):
+        Pipeline([TorchModel(net, 3.0)], compile_kwargs={"mode": "max-autotune"})
+    with pytest.raises(ValueError, match="compile_kwargs were given without compile=True"):
+        TorchModel(net, 3.0, compile_kwargs={"dynamic": False})
+    with pytest.raises(ValueError, match=r"\['backend'\] are not supported"):
+        Pipeline([TorchModel(net, 3.0)], compile=True, compile_kwargs={"backend": "eager"})
+    own = TorchModel(net, 3.0, compile=True, compile_kwargs={"dynamic": False})
+    Pipeline([own, TorchModel(net, 3.0)], compile=True)
+    assert own.stages.options == {"dynamic": False}  # a model compiled with its own options keeps them

@@ -51,3 +51,27 @@ def test_a_failing_compile_warns_once_and_runs_eagerly():
 def test_unknown_compile_kwargs_are_refused():
     with pytest.raises(ValueError, match=r"compile_kwargs \['backend'\] are not supported"):
         MACE(build_model("scaleshift_L2_corr3"), compile=True, compile_kwargs={"backend": "eager"})
+
+
+def test_checkpointed_layers_keep_fewer_activations_and_give_the_same_numbers():
+    """``checkpoint=True``: tensors saved for the backward pass (counted by a saved-tensor hook) shrink; results do not."""
+    module = build_model("scaleshift_L2_corr3")
+    system = System.from_ase(make_atoms(True, n_side=3))
+
+    def run(model) -> tuple[dict, int]:
+        saved = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = Pipeline([model])(system, stress=True)
+        return out, sum(saved)
+
+    plain, plain_bytes = run(MACE(module))
+    lean, lean_bytes = run(MACE(module, checkpoint=True))
+    assert float(lean["energy"]) == pytest.approx(float(plain["energy"]), rel=1e-14)
+    torch.testing.assert_close(lean["forces"], plain["forces"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(lean["stress"], plain["stress"], rtol=0, atol=1e-14)
+    assert lean_bytes < 0.5 * plain_bytes, (lean_bytes, plain_bytes)

@@ -235,3 +235,23 @@ def test_unknown_element_is_named(model64):
     atoms = Atoms("Og2", positions=[[0, 0, 0], [0, 0, 2.5]])
     with pytest.raises(ValueError, match=r"element\(s\) \[118\] are not known"):
         ours(model64, atoms)
+
+
+@pytest.mark.timeout(900)
+def test_compiled_matches_sevenn_calculator_without_recompiling(calc64):
+    """``compile=True``: the checkpoint's modules under torch.compile give sevenn's numbers; a second size adds no graph."""
+    model = SevenNet("7net-0", dtype="float64", compile=True)
+    counts = []
+    for name in ("triclinic_crystal", "multi_element"):  # 16 and 40 atoms, different elements, edges and ghosts
+        atoms = SYSTEMS[name]()
+        assert_matches(ours(model, atoms), reference(calc64, atoms), energy_rel=1e-9, force=1e-8, stress=1e-9)
+        counts.append(model.stages.compilations)
+    assert model.stages.failure is None and counts[0] > 0
+    assert counts[1] == counts[0], counts
+
+
+def test_checkpointed_layers_match_sevenn_calculator(calc64):
+    """``checkpoint=True`` recomputes each layer in the backward pass: the same forces and stress."""
+    atoms = triclinic_crystal()
+    model = SevenNet("7net-0", dtype="float64", checkpoint=True)
+    assert_matches(ours(model, atoms), reference(calc64, atoms), energy_rel=1e-9, force=1e-8, stress=1e-9)
