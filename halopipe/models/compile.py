@@ -94,7 +94,12 @@ class CompiledStages:
         compiled = self._compiled.get(name)
         if compiled is None:
             dynamic = self.options.get("dynamic", True)
-            compiled = torch.compile(_own_code(fn, f"{self.owner}_{name}"), backend=self._backend, dynamic=dynamic, fullgraph=self.options.get("fullgraph", False))
+            compiled = torch.compile(
+                _own_code(fn, f"{self.owner}_{name}"),
+                backend=self._backend,
+                dynamic=dynamic,
+                fullgraph=self.options.get("fullgraph", False),
+            )
             self._compiled[name] = compiled
         try:
             return compiled(*args)
