@@ -85,7 +85,9 @@ class CompiledStages:
         activations are recomputed in the backward pass rather than kept.
         """
         if recompute and self.checkpoint and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._call, name, fn, *args, use_reentrant=False)
+            # early_stop=False: the early stop raises inside saved-tensor hooks, and TorchScript'd modules (e3nn)
+            # rewrap that exception so checkpoint no longer recognises it
+            return torch.utils.checkpoint.checkpoint(self._call, name, fn, *args, use_reentrant=False, early_stop=False)
         return self._call(name, fn, *args)
 
     def _call(self, name: str, fn: Callable, *args):

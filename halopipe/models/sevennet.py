@@ -233,6 +233,7 @@ class SevenNet(Model):
         layer_mode = self.halo_mode == "layer"
 
         def layer(data: dict, owned: torch.Tensor) -> dict:
+            data = dict(data)  # sevenn's modules write into their input: a recompute (checkpoint) needs it unchanged
             for module in before:
                 data = module(data)
             data = convolution(data)
