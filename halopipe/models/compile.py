@@ -12,8 +12,10 @@ which differentiates inside its forward, failed under ``torch.compile`` here).
 
 Atom, ghost and edge counts change at every rebuild. Stages are compiled with
 ``dynamic=True``: sizes are symbolic from the first compile, so a new count
-does not recompile (a stage compiles again only for a new dtype, device or
-an input whose size is 0 or 1, which dynamo specialises). Owned rows are
+does not recompile. A stage compiles again for a new dtype or device, for an
+input whose size is 0 or 1 (dynamo specialises those), and when a count
+leaves a range that a guard of the first graph assumed (seen: a view far
+smaller than the first one): a few graphs per run, counted. Owned rows are
 selected inside a stage by an index tensor, never by a Python integer, for
 the same reason. :attr:`CompiledStages.compilations` counts the graphs
 compiled, so a run can report and bound them.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +39,9 @@ def start_launchers(cwd: Path, *args: str, rdzv_id: str = "halopipe-test") -> li
     for node in (0, 1):
         # Output goes to files: an undrained pipe of one launcher would block it and, through the rendezvous, the other.
         logs = dict(stdout=open(cwd / f"node{node}.out", "w"), stderr=open(cwd / f"node{node}.err", "w"))
-        procs.append(subprocess.Popen([*launcher, "--node-rank", str(node), "-m", "halopipe.cli", *args], cwd=cwd, env=env, **logs))
+        # A session of its own: a launcher that must be killed takes its workers with it (no orphans).
+        command = [*launcher, "--node-rank", str(node), "-m", "halopipe.cli", *args]
+        procs.append(subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True, **logs))
         procs[-1].logs = (cwd / f"node{node}.out", cwd / f"node{node}.err")
         time.sleep(3.0 if node == 0 else 0.0)  # node 0 binds the endpoint first and hosts the store, as the first node would
     return procs
@@ -55,14 +58,23 @@ def two_nodes(cwd: Path, *args: str, timeout: float = 240) -> list[subprocess.Co
     done = []
     try:
         for p in procs:
-            p.wait(timeout=timeout)
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                logs = [f"node {k}: {out[-3000:]}\n{err[-3000:]}" for k, (out, err) in enumerate(map(outputs, procs))]
+                pytest.fail(f"the launchers did not finish in {timeout} s:\n" + "\n".join(logs))
             done.append(subprocess.CompletedProcess(p.args, p.returncode, *outputs(p)))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     return done
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """Kill every launcher still running, with its workers (its whole session)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 @pytest.mark.timeout(600)
@@ -84,8 +96,6 @@ def test_verify_with_two_launchers(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_rank_killed_on_node_1_ends_every_rank_with_a_message(tmp_path):
     """SIGKILL one worker of launcher 1 mid-run: both launchers end, non-zero, and node 0 names the failure."""
-    import signal
-
     cfg, out = write_tiny(tmp_path / "tiny.yaml", steps=1_000_000), tmp_path / "out"
     procs = start_launchers(tmp_path, "run", str(cfg), "--output", str(out), rdzv_id="halopipe-kill")
     try:
@@ -102,10 +112,7 @@ def test_a_rank_killed_on_node_1_ends_every_rank_with_a_message(tmp_path):
         results = [outputs(p) for p in procs]
         elapsed = time.monotonic() - killed_at
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     assert all(p.returncode != 0 for p in procs)
     assert elapsed < 120  # generous hang bound, not a timing claim
     node0_err = results[0][1]
