@@ -334,6 +334,9 @@ def verify_config(config: RunConfig, nproc: int | None = None) -> int:
         try:
             result = verify_worker(config.data, config.source)
             ok = _verify_report(result, config.dtype) if _rank() == 0 else True
+            # Ranks leave together: a rank that tears gloo down while rank 0 still evaluates its single-process
+            # reference was seen to abort in the teardown and hang rank 0's launcher.
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         return 0 if ok else 1
