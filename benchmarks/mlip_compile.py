@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 import torch
@@ -113,19 +112,7 @@ def reference_row(model: str, n_atoms: int, with_d3: bool, repeats: int) -> dict
         calc = MACECalculator(models=build_mace(), default_dtype="float64", device="cpu")
     atoms = structure(model, n_atoms)
     before = current_rss_gb()
-    if with_d3:
-        r = calculator_case(atoms, calc, repeats, *d3_cutoffs(model))
-    else:
-        best = float("inf")
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            atoms.calc = calc
-            energy = atoms.get_potential_energy()
-            atoms.get_forces()
-            atoms.get_stress()
-            best = min(best, time.perf_counter() - t0)
-            calc.reset()
-        r = {"seconds": best, "energy": energy, "n": len(atoms), "rss": peak_rss_gb()}
+    r = calculator_case(atoms, calc, repeats, *(d3_cutoffs(model) if with_d3 else (None, None)))
     return {**r, "first": float("nan"), "growth": peak_rss_gb() - before, "compilations": 0}
 
 
