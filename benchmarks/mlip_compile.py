@@ -2,8 +2,8 @@
 
 Every row is one fresh process (one per rank), so each peak RSS is its own:
 the reference calculator alone and with s-dftd3 summed, then halopipe's model
-eager, ``compile=True`` and ``checkpoint=True``, alone and in one autograd
-group with DFT-D3(PBE, BJ). Rows run in turn and the whole list ``--rounds``
+eager, ``compile=True``, ``checkpoint=True`` (and, with ``--variants``, both),
+alone and in one autograd group with DFT-D3(PBE, BJ). Rows run in turn and the whole list ``--rounds``
 times (interleaved); the table keeps each row's best time. Energy + forces +
 stress per evaluation, one thread per process.
 
@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import max_over_ranks, print_table, rank, timed  # noqa: E402
 from mlip_halo import D3_CN_CUTOFF, D3_CUTOFF, amorphous, build_mace, calculator_case, peak_rss_gb  # noqa: E402
 
+VARIANTS = ["eager", "compiled", "checkpoint", "compiled+checkpoint"]  # halopipe's rows: compile and/or checkpoint
+
 
 def current_rss_gb() -> float:
     with open("/proc/self/statm") as f:
@@ -65,7 +67,7 @@ def d3_cutoffs(model: str) -> tuple[float, float]:
 def halopipe_mlip(model: str, variant: str):
     from halopipe import MACE, SevenNet
 
-    options = {"compile": variant == "compiled", "checkpoint": variant == "checkpoint"}
+    options = {"compile": "compiled" in variant, "checkpoint": "checkpoint" in variant}
     if model == "7net-0":
         return SevenNet("7net-0", dtype="float32", **options)
     return MACE(build_mace(), **options)
@@ -123,7 +125,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["7net-0", "mace"], default="7net-0")
     parser.add_argument("--atoms", type=int, default=512)
     parser.add_argument("--nproc", type=int, nargs="+", default=[1], help="rank counts of the halopipe + D3 rows")
-    parser.add_argument("--variants", nargs="+", default=["eager", "compiled", "checkpoint"], choices=["eager", "compiled", "checkpoint"])
+    parser.add_argument("--variants", nargs="+", default=VARIANTS[:3], choices=VARIANTS)
     parser.add_argument("--repeats", type=int, default=2, help="timed evaluations per process (after the first)")
     parser.add_argument("--rounds", type=int, default=2, help="times the whole list of rows runs (interleaved)")
     parser.add_argument("--no-alone", dest="alone", action="store_false", help="skip the rows without D3")

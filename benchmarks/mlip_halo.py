@@ -182,10 +182,10 @@ def bilayer(n_atoms: int):
     return bilayer_li(n_in_plane=n, n_li=max(1, n * n * 4 * 24 // 1024))
 
 
-def sevennet_case(n_atoms: int, repeats: int, mode: str, halo: str) -> dict:
+def sevennet_case(n_atoms: int, repeats: int, mode: str, halo: str, options: dict) -> dict:
     from halopipe import DFTD3, SevenNet
 
-    mlip = SevenNet("7net-0", halo_mode=mode, dtype="float32")
+    mlip = SevenNet("7net-0", halo_mode=mode, dtype="float32", **options)
     return decomposed_case(lambda: bilayer(n_atoms), mlip, "SevenNet", DFTD3("pbe"), halo, repeats)
 
 
@@ -198,7 +198,7 @@ def sevennet_baseline(n_atoms: int, repeats: int) -> dict:
     return calculator_case(bilayer(n_atoms), SevenNetCalculator("7net-0", device="cpu"), repeats, DEFAULT_CUTOFF, DEFAULT_CN_CUTOFF)
 
 
-def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> dict:
+def nve_drift(n_atoms: int, steps: int, dtype: str, options: dict, timestep: float = 1.0) -> dict:
     """NVE (velocity Verlet) of SevenNet-0 + D3 from 300 K on one process: drift of the total energy, eV/atom/ps."""
     from halopipe import DFTD3, DomainConfig, Group, Pipeline, SevenNet, Step, System
     from halopipe.dynamics import Reporter, Simulation, VelocityVerlet
@@ -216,7 +216,8 @@ def nve_drift(n_atoms: int, steps: int, dtype: str, timestep: float = 1.0) -> di
 
     torch.set_num_threads(1)
     system = System.from_ase(bilayer(n_atoms))
-    pipeline = Pipeline([Group([Step(SevenNet("7net-0", dtype=dtype)), Step(DFTD3("pbe"))])], config=DomainConfig(skin=1.0))
+    mlip = SevenNet("7net-0", dtype=dtype, **options)
+    pipeline = Pipeline([Group([Step(mlip), Step(DFTD3("pbe"))])], config=DomainConfig(skin=1.0))
     energies = Energies()
     sim = Simulation(pipeline, system, VelocityVerlet(timestep), reporters=[energies])
     sim.set_velocities(300.0, seed=1)
@@ -237,13 +238,23 @@ def drift_main(args) -> None:
 
     rows = []
     for dtype in ("float32", "float64"):
-        r = spawn(nve_drift, 1, args.drift_atoms, args.drift_steps, dtype, timeout=7200)[0]
+        r = spawn(nve_drift, 1, args.drift_atoms, args.drift_steps, dtype, sevennet_options(args), timeout=36000)[0]
         rows.append([dtype, r["n"], args.drift_steps, f"{r['drift']:.2e}", f"{r['excursion']:.2e}", f"{r['seconds_per_step']:.2f}"])
     print_table(
-        f"NVE, SevenNet-0 + D3(PBE, BJ, default cutoffs), bilayer graphene + Li from 300 K, dt 1 fs, {args.drift_steps} steps, 1 process",
+        f"NVE, SevenNet-0{options_label(args)} + D3(PBE, BJ, default cutoffs), bilayer graphene + Li from 300 K, dt 1 fs, "
+        f"{args.drift_steps} steps, 1 process",
         ["SevenNet dtype", "atoms", "steps", "drift / eV/atom/ps", "largest |E - E0| / eV/atom", "s / step"],
         rows,
     )
+
+
+def sevennet_options(args) -> dict:
+    """SevenNet's ``compile`` and ``checkpoint`` options from the command line."""
+    return {"compile": args.compile, "checkpoint": args.checkpoint}
+
+
+def options_label(args) -> str:
+    return "".join(f", {name}" for name, on in (("compiled", args.compile), ("checkpointed", args.checkpoint)) if on)
 
 
 def sevennet_main(args) -> None:
@@ -260,7 +271,7 @@ def sevennet_main(args) -> None:
     }
     rows = []
     for mode, halo in (tuple(c.split(":")) for c in args.configs):
-        r = spawn(sevennet_case, args.nproc, args.atoms, args.repeats, mode, halo, timeout=3600)[0]
+        r = spawn(sevennet_case, args.nproc, args.atoms, args.repeats, mode, halo, sevennet_options(args), timeout=3600)[0]
         rows.append(
             [
                 names[(mode, halo)],
@@ -279,7 +290,7 @@ def sevennet_main(args) -> None:
             ["SevenNetCalculator + s-dftd3, summed", 1, b["n"], "-", "-", f"{b['seconds']:.1f}", f"{b['rss']:.2f}", f"{b['energy']:.4f}"]
         )
     print_table(
-        "SevenNet-0 (float32) + D3(PBE, BJ, 50.2/21.2 Å), bilayer graphene + Li, E+F+stress, 1 thread per rank",
+        f"SevenNet-0 (float32{options_label(args)}) + D3(PBE, BJ, 50.2/21.2 Å), bilayer graphene + Li, E+F+stress, 1 thread per rank",
         [
             "configuration",
             "ranks",
@@ -316,6 +327,8 @@ def main() -> None:
         "--drift-steps", type=int, default=0, help="7net-0: instead, NVE drift over this many 1 fs steps (float32, float64)"
     )
     parser.add_argument("--drift-atoms", type=int, default=100, help="7net-0: atoms of the NVE drift run")
+    parser.add_argument("--compile", action="store_true", help="7net-0: SevenNet with compile=True")
+    parser.add_argument("--checkpoint", action="store_true", help="7net-0: SevenNet with checkpoint=True (per-layer recompute)")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="7net-0: skip the one-process calculator row")
     args = parser.parse_args()
     if args.model == "7net-0":

@@ -15,9 +15,13 @@ Rows and peers:
   ``neigh_modify every 1 delay 0 check yes`` (the same rebuild rule), serial
   and on 2 MPI ranks (halopipe: 2 gloo ranks).
 * ``nacl-4k``: rattled rock-salt NaCl, 4,096 ions, LJ 8 Å (Lorentz-Berthelot)
-  + long-range Coulomb, 1 fs; halopipe ``LennardJones`` + ``PME(8, 1e-4)``
-  (order 5; the accuracy LAMMPS's ``pppm 1e-5`` asks for, see
-  :class:`halopipe.PME`), LAMMPS ``lj/cut/coul/long 8.0`` + ``pppm 1e-5``.
+  + long-range Coulomb, 1 fs; LAMMPS ``lj/cut/coul/long 8.0`` + ``pppm 1e-5``,
+  halopipe ``LennardJones`` + ``PME(8, accuracy)`` (order 5) at *equal
+  measured error*: both codes' first forces are compared with a converged
+  Ewald sum (``Ewald(12, 1e-11)`` + the same LJ, one process), and
+  ``accuracy`` is the loosest of ``NACL_PME_ACCURACIES`` whose RMS force
+  error is at or below LAMMPS's (``--pme-accuracy`` fixes it instead). The
+  note column gives both RMS errors and the accuracy picked.
 * ``d3``: DFT-D3(BJ, PBE) at halopipe's default cutoffs (50.2 Å two-body,
   21.2 Å CN, no ATM), 864 argon atoms, one energy + forces + stress
   evaluation; s-dftd3 (``dftd3`` Python API, ``RationalDampingParam(method=
@@ -121,7 +125,10 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 
 LJ_ARGON = dict(epsilon=0.0104, sigma=3.4, cutoff=8.5, mass=39.948, dt_fs=2.0)
-NACL = dict(epsilon={11: 0.0115, 17: 0.0043}, sigma={11: 2.0, 17: 3.4}, cutoff=8.0, dt_fs=1.0, lammps_accuracy=1e-5, pme_accuracy=1e-4)
+NACL = dict(epsilon={11: 0.0115, 17: 0.0043}, sigma={11: 2.0, 17: 3.4}, cutoff=8.0, dt_fs=1.0, lammps_accuracy=1e-5)
+# halopipe PME accuracies tried for nacl-4k, loosest first: the first whose RMS force error is at or below LAMMPS's is timed.
+NACL_PME_ACCURACIES = (2e-4, 1e-4, 7e-5, 5e-5, 3e-5, 2e-5, 1e-5, 5e-6)
+NACL_REFERENCE = dict(cutoff=12.0, accuracy=1e-11)  # the converged Ewald sum both codes' forces are compared with
 CASES = {
     "lj-4k": "4,000 Ar, LJ 8.5 Å, NVE step",
     "lj-32k": "32,000 Ar, LJ 8.5 Å, NVE step",
@@ -164,11 +171,12 @@ MACE_CASE = dict(species=(1, 6, 8), grid=7, spacing=2.3, r_max=5.0)
 
 
 # ----------------------------------------------------------------- configurations
-def write_configuration(case: str, path: Path, d3: dict | None = None) -> None:
+def write_configuration(case: str, path: Path, d3: dict | None = None, pme_accuracy: float | None = None) -> None:
     """Positions, cell, numbers, charges, masses and 300 K velocities (Å/fs) of a case, to ``path``.
 
     ``d3``: a D3 row's settings (``cutoff``, ``cn_cutoff``, ``atm_cutoff`` in
-    Å, ``s9``), stored with the configuration for both codes' workers.
+    Å, ``s9``), stored with the configuration for both codes' workers;
+    ``pme_accuracy``: halopipe's PME accuracy for ``nacl-4k``.
     """
     from ase.build import bulk
 
@@ -192,6 +200,8 @@ def write_configuration(case: str, path: Path, d3: dict | None = None) -> None:
     arrays = dict(positions=atoms.positions, cell=atoms.cell.array, numbers=atoms.numbers, masses=masses, velocities=velocities)
     if d3 is not None:
         arrays["d3"] = np.array([d3["cutoff"], d3["cn_cutoff"], d3["atm_cutoff"], d3["s9"], d3["stress"]])
+    if pme_accuracy is not None:
+        arrays["pme_accuracy"] = np.array(pme_accuracy)
     np.savez(path, charges=charges, **arrays)
 
 
@@ -281,12 +291,53 @@ def _halopipe_pipeline(case: str, data):
         shift = case != "lj-16k-eval"  # nvalchemi's LJ is not shifted at the cutoff
         return Pipeline([LennardJones(LJ_ARGON["epsilon"], LJ_ARGON["sigma"], LJ_ARGON["cutoff"], shift=shift)], config=config)
     if case == "nacl-4k":
-        lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
-        pme = PME(NACL["cutoff"], NACL["pme_accuracy"])
-        return Pipeline([Group([Step(lj)], autograd=False), Group([Step(pme)], autograd=True)], config=config)
+        return nacl_pipeline(PME(NACL["cutoff"], float(data["pme_accuracy"])), config)
     cutoff, cn_cutoff, atm_cutoff, s9 = (float(x) for x in data["d3"][:4])
     # the group's kind inferred: direct forces from the compiled kernels without ATM, autograd with it
     return Pipeline([DFTD3("pbe", cutoff=cutoff, cn_cutoff=cn_cutoff, s9=s9, atm_cutoff=atm_cutoff)], config=config)
+
+
+def nacl_pipeline(coulomb, config=None):
+    """nacl-4k's LJ (direct forces) + ``coulomb`` (an Ewald-type model, autograd)."""
+    from halopipe import DomainConfig, Group, LennardJones, Pipeline, Step
+
+    lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
+    return Pipeline([Group([Step(lj)], autograd=False), Group([Step(coulomb)], autograd=True)], config=config or DomainConfig(skin=SKIN))
+
+
+def nacl_forces(config: str, coulomb) -> np.ndarray:
+    """Forces of nacl-4k's configuration with LJ + ``coulomb``, one process."""
+    import torch
+
+    from halopipe import System
+
+    data = np.load(config)
+    system = System(
+        positions=torch.tensor(data["positions"]),
+        numbers=torch.tensor(data["numbers"]),
+        cell=torch.tensor(data["cell"]),
+        pbc=torch.tensor([True] * 3),
+        fields={"charges": torch.tensor(data["charges"])},
+    )
+    return nacl_pipeline(coulomb)(system)["forces"].detach().numpy()
+
+
+def rms(forces: np.ndarray, reference: np.ndarray) -> float:
+    """RMS over atoms of the force error's length, eV/Å (LAMMPS's kspace accuracy times 14.40 eV/Å)."""
+    return float(np.sqrt(((forces - reference) ** 2).sum(1).mean()))
+
+
+def match_pme_accuracy(config: str, peer_forces: np.ndarray, reference: np.ndarray) -> float:
+    """The loosest of ``NACL_PME_ACCURACIES`` whose RMS force error is at or below the peer's (one-process evaluations)."""
+    from halopipe import PME
+
+    target = rms(peer_forces, reference)
+    for accuracy in NACL_PME_ACCURACIES:
+        error = rms(nacl_forces(config, PME(NACL["cutoff"], accuracy)), reference)
+        print(f"# nacl-4k: PME({NACL['cutoff']}, {accuracy:g}) RMS force error {error:.2e} eV/Å, LAMMPS's {target:.2e}", file=sys.stderr)
+        if error <= target:
+            return accuracy
+    raise SystemExit(f"peers.py: error: no PME accuracy in {NACL_PME_ACCURACIES} reaches LAMMPS's RMS force error {target:.2e} eV/Å")
 
 
 def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
@@ -700,6 +751,11 @@ def main(argv=None) -> int:
         help="halopipe's D3 rows with the stress (default) or energy and forces only (s-dftd3 computes its virial either way)",
     )
     parser.add_argument(
+        "--pme-accuracy",
+        type=float,
+        help="nacl-4k: halopipe's PME accuracy (default: the loosest of NACL_PME_ACCURACIES at or below LAMMPS's measured error)",
+    )
+    parser.add_argument(
         "--peers-python",
         default=os.environ.get("HALOPIPE_PEERS_PYTHON") or str(ROOT / PEER_ENVIRONMENTS["lammps"][1] / "bin" / "python"),
         help="python of the environment holding lammps (default $HALOPIPE_PEERS_PYTHON, else .venv-peers in the repository)",
@@ -722,9 +778,12 @@ def main(argv=None) -> int:
         for case in (case for case in cases if not missing[case]):
             peer = _peer_of(case)
             steps = args.evals if case in EVAL_CASES else args.steps
+            accuracy = reference = None
+            if case == "nacl-4k":
+                accuracy, reference = _nacl_accuracy(workdir, args)
             for k, (nproc, d3) in enumerate(_variants(case, args)):
                 config = str(workdir / f"{case}-{k}.npz")
-                write_configuration(case, Path(config), d3)
+                write_configuration(case, Path(config), d3, accuracy)
                 times = {"halopipe": [], peer: []}
                 results = {}
                 for _ in range(args.repeats):
@@ -739,6 +798,10 @@ def main(argv=None) -> int:
                 checks = [f"{d_energy / n_atoms:.1e}", f"{d_force:.1e}"]
                 relative_energy = d_energy / abs(results[peer]["energy"])
                 note = _note(d3, n_atoms, relative_energy, results[peer])
+                if reference is not None:
+                    errors = {code: rms(results[code]["forces"], reference) for code in ("halopipe", peer)}
+                    versus = f"halopipe {errors['halopipe']:.2e}, LAMMPS {errors[peer]:.2e} eV/Å"
+                    note += f"; PME accuracy {accuracy:g}; RMS ΔF vs Ewald: {versus}"
                 rows.append([case, nproc, *timing, *checks, note])
                 if case == "d3-cutoff-sweep":
                     data = np.load(config)
@@ -762,6 +825,19 @@ def main(argv=None) -> int:
         header = ["cutoff Å", "pairs", "halopipe ms", "s-dftd3 ms", "ratio", "halopipe ns/pair", "s-dftd3 ns/pair", "max|ΔF| eV/Å", "ΔE/E"]
         print_table(f"D3(BJ, PBE) cutoff sweep, Si 512 (CN cutoff 21.17 Å), {title}", header, sweep)
     return 0
+
+
+def _nacl_accuracy(workdir: Path, args) -> tuple[float, np.ndarray]:
+    """nacl-4k's converged reference forces and halopipe's PME accuracy (``--pme-accuracy``, else matched to LAMMPS's error)."""
+    from halopipe import Ewald
+
+    config = str(workdir / "nacl-4k-reference.npz")
+    write_configuration("nacl-4k", Path(config))
+    reference = nacl_forces(config, Ewald(NACL_REFERENCE["cutoff"], NACL_REFERENCE["accuracy"]))
+    if args.pme_accuracy is not None:
+        return args.pme_accuracy, reference
+    lammps = measure("lammps", "nacl-4k", config, 1, 1, workdir, args)
+    return match_pme_accuracy(config, lammps["forces"], reference), reference
 
 
 def _note(d3: dict | None, n_atoms: int, relative_energy: float, peer_result: dict) -> str:
