@@ -9,6 +9,12 @@ the rebuilds and migrations a real run has.
 
     python benchmarks/md_throughput.py                 # default: short run, a few minutes on 2 cores
     python benchmarks/md_throughput.py --steps 50 --nproc 1 2 4 --markdown
+    python benchmarks/md_throughput.py --cases lj-argon-32k --steps 10000 --reporters both --markdown
+
+``--reporters``: ``none`` (default), ``default`` (a run's default output: a
+thermo log every 100 steps, with pressure, and a trajectory frame every
+1,000, written on rank 0) or ``both`` (each case without, then with them, so
+the cost of output shows as the ratio of the two rates).
 """
 
 from __future__ import annotations
@@ -74,14 +80,29 @@ def _rattled_nacl():
     return system
 
 
-def worker(case: str, steps: int, warmup: int, device: str) -> dict:
-    """One rank: run NVE and time it (every rank calls this)."""
+THERMO_EVERY, TRAJECTORY_EVERY = 100, 1000  # a run's default output (``--reporters default``)
+
+
+def default_reporters(folder: str) -> list:
+    """A thermo log every 100 steps and a trajectory frame every 1,000, as a production run writes them."""
+    from halopipe.dynamics import ThermoLog, Trajectory
+
+    thermo = ThermoLog(os.path.join(folder, "thermo.csv"), every=THERMO_EVERY)
+    return [thermo, Trajectory(os.path.join(folder, "traj.xyz"), every=TRAJECTORY_EVERY)]
+
+
+def worker(case: str, steps: int, warmup: int, device: str, reporters: bool = False) -> dict:
+    """One rank: run NVE and time it (every rank calls this); ``reporters``: with :func:`default_reporters`."""
+    import tempfile
+
     from halopipe.dynamics import Simulation, VelocityVerlet
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     pipeline, system = build(case, device)
     integrator = VelocityVerlet(time_step(case))
-    sim = Simulation(pipeline, system if rank == 0 else None, integrator)  # the default skin, 1 Å
+    folder = tempfile.mkdtemp(prefix="halopipe-md-")  # each rank its own (only rank 0 writes)
+    output = default_reporters(folder) if reporters else []
+    sim = Simulation(pipeline, system if rank == 0 else None, integrator, reporters=output)  # the default skin, 1 Å
     sim.set_velocities(300.0, seed=1)
     sim.run(warmup)
     rebuilds0 = sim.sharded.rebuilds
@@ -103,12 +124,12 @@ def worker(case: str, steps: int, warmup: int, device: str) -> dict:
     }
 
 
-def measure(case: str, nproc: int, steps: int, warmup: int, device: str) -> dict:
+def measure(case: str, nproc: int, steps: int, warmup: int, device: str, reporters: bool = False) -> dict:
     if nproc == 1:
         torch.set_num_threads(1)
-        return worker(case, steps, warmup, device)
+        return worker(case, steps, warmup, device, reporters)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    return spawn(worker, nproc, case, steps, warmup, device, timeout=3600, backend=backend, threads=1)[0]
+    return spawn(worker, nproc, case, steps, warmup, device, reporters, timeout=36000, backend=backend, threads=1)[0]
 
 
 def main(argv=None) -> int:
@@ -119,14 +140,20 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank)")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument(
+        "--reporters", choices=["none", "default", "both"], default="none", help="output during the timed steps (see above)"
+    )
     args = parser.parse_args(argv)
+    outputs = {"none": [False], "default": [True], "both": [False, True]}[args.reporters]
     rows = []
     for case in args.cases:
         for nproc in args.nproc:
-            r = measure(case, nproc, args.steps, args.warmup, args.device)
-            rate = r["steps"] / r["seconds"]
-            rows.append((case, r["n_atoms"], nproc, rate, rate * r["n_atoms"], r["rebuilds"]))
-            print(f"# {case} on {nproc} rank(s): {rate:.3f} steps/s", file=sys.stderr, flush=True)
+            for reporters in outputs:
+                r = measure(case, nproc, args.steps, args.warmup, args.device, reporters)
+                rate = r["steps"] / r["seconds"]
+                label = f"{case} + output" if reporters else case
+                rows.append((label, r["n_atoms"], nproc, rate, rate * r["n_atoms"], r["rebuilds"]))
+                print(f"# {label} on {nproc} rank(s): {rate:.3f} steps/s", file=sys.stderr, flush=True)
     threads = os.environ.get("OMP_NUM_THREADS", "default")
     header = ("case", "atoms", "ranks", "steps/s", "atom-steps/s", "rebuilds")
     print(
@@ -139,9 +166,9 @@ def main(argv=None) -> int:
         for case, n, p, rate, atom_rate, rb in rows:
             print(f"| {case} | {n} | {p} | {rate:.3f} | {atom_rate:.3g} | {rb} |")
     else:
-        print(f"{header[0]:<20}{header[1]:>8}{header[2]:>7}{header[3]:>12}{header[4]:>15}{header[5]:>10}")
+        print(f"{header[0]:<30}{header[1]:>8}{header[2]:>7}{header[3]:>12}{header[4]:>15}{header[5]:>10}")
         for case, n, p, rate, atom_rate, rb in rows:
-            print(f"{case:<20}{n:>8}{p:>7}{rate:>12.3f}{atom_rate:>15.3g}{rb:>10}")
+            print(f"{case:<30}{n:>8}{p:>7}{rate:>12.3f}{atom_rate:>15.3g}{rb:>10}")
     return 0
 
 
