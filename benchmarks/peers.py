@@ -307,19 +307,24 @@ def nacl_pipeline(coulomb, config=None):
 
 def nacl_forces(config: str, coulomb) -> np.ndarray:
     """Forces of nacl-4k's configuration with LJ + ``coulomb``, one process."""
+    system = _system_from_config(np.load(config), "nacl-4k")
+    return nacl_pipeline(coulomb)(system)["forces"].detach().numpy()
+
+
+def _system_from_config(data, case: str):
+    """The periodic ``System`` of a shared configuration ``.npz`` (charges for nacl-4k), one copy on each rank."""
     import torch
 
     from halopipe import System
 
-    data = np.load(config)
-    system = System(
+    return System(
         positions=torch.tensor(data["positions"]),
         numbers=torch.tensor(data["numbers"]),
         cell=torch.tensor(data["cell"]),
         pbc=torch.tensor([True] * 3),
-        fields={"charges": torch.tensor(data["charges"])},
+        masses=torch.tensor(data["masses"]),
+        fields={"charges": torch.tensor(data["charges"])} if case == "nacl-4k" else {},
     )
-    return nacl_pipeline(coulomb)(system)["forces"].detach().numpy()
 
 
 def rms(forces: np.ndarray, reference: np.ndarray) -> float:
@@ -345,21 +350,12 @@ def halopipe_worker(case: str, config: str, steps: int, out: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from halopipe import System
     from halopipe.dynamics import Simulation, VelocityVerlet
 
     torch.set_num_threads(1)
     data = np.load(config)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    fields = {"charges": torch.tensor(data["charges"])} if case == "nacl-4k" else {}
-    system = System(
-        positions=torch.tensor(data["positions"]),
-        numbers=torch.tensor(data["numbers"]),
-        cell=torch.tensor(data["cell"]),
-        pbc=torch.tensor([True] * 3),
-        masses=torch.tensor(data["masses"]),
-        fields=fields,
-    )
+    system = _system_from_config(data, case)
     pipeline = _halopipe_pipeline(case, data)
     if case in EVAL_CASES:
         return _halopipe_evaluations(case in D3_CASES and bool(data["d3"][4]), pipeline, system, steps, out)

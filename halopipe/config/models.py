@@ -170,6 +170,28 @@ class DFTD3Spec(ModelSpec):
         return f"no D3 reference data for {_symbols(lacking)} present in the system (the tables end at Lr)" if lacking else None
 
 
+class DFTD3MeshSpec(ModelSpec):
+    """DFT-D3(BJ) with the two-body sum on a particle mesh (no dispersion cutoff; periodic cells)."""
+
+    target: ClassVar[str] = "halopipe.models.dftd3_mesh:DFTD3Mesh"
+    type: Literal["DFTD3Mesh"]
+    functional: str | None = Field(None, description="functional whose D3(BJ) parameters to use, e.g. pbe")
+    damping: Literal["bj"] | None = None
+    accuracy: Positive | None = Field(None, description="target relative two-body energy error (sets the mesh)")
+    rank_tolerance: Positive | None = Field(None, description="relative error bound of the low-rank C6 (default: accuracy)")
+    mesh_spacing: Positive | None = Field(None, description="largest mesh spacing, Å")
+    mesh_size: list[PositiveInt] | None = Field(None, min_length=3, max_length=3, description="explicit mesh [n1, n2, n3]")
+    order: Int | None = Field(None, description="B-spline order, 4 to 6")
+    cn_cutoff: Positive | None = Field(None, description="coordination-number cutoff, Å")
+    s9: Number | None = Field(None, description="three-body (ATM) scaling, real space with atm_cutoff; 0 = off")
+    atm_cutoff: Positive | None = Field(None, description="three-body cutoff, Å")
+    params: dict[str, Number] | None = Field(None, description="damping parameters overriding the functional's")
+    mesh: Literal["auto", "slab", "pencil"] | None = Field(None, description="how ranks share the mesh")
+
+    def missing_species(self, model, species):
+        return DFTD3Spec.missing_species(self, model, species)
+
+
 def _load_module(path: str):
     """A torch module saved whole with ``torch.save`` (unpickled: load only files you trust), on the CPU."""
     import torch
@@ -299,7 +321,18 @@ class ClassPathSpec(ModelSpec):
 
 MODEL_SPECS: dict[str, type[ModelSpec]] = {
     type_names(spec)[0]: spec
-    for spec in (LennardJonesSpec, DSFCoulombSpec, ChargeModelSpec, EwaldSpec, PMESpec, DFTD3Spec, MACESpec, SevenNetSpec, TorchModelSpec)
+    for spec in (
+        LennardJonesSpec,
+        DSFCoulombSpec,
+        ChargeModelSpec,
+        EwaldSpec,
+        PMESpec,
+        DFTD3Spec,
+        DFTD3MeshSpec,
+        MACESpec,
+        SevenNetSpec,
+        TorchModelSpec,
+    )
 }
 """The built-in model types by ``type`` name."""
 

@@ -5,6 +5,7 @@ from .base import LocalView, Model, ModelOutput, NonFiniteError, virial_from_for
 from .charges import ChargeModel
 from .coulomb import DSFCoulomb
 from .dftd3 import DFTD3
+from .dftd3_mesh import DFTD3Mesh
 from .ewald import Ewald
 from .lennard_jones import LennardJones
 from .mace import MACE
@@ -21,6 +22,7 @@ __all__ = [
     "DSFCoulomb",
     "ChargeModel",
     "DFTD3",
+    "DFTD3Mesh",
     "Ewald",
     "PME",
     "MACE",
