@@ -75,3 +75,30 @@ def test_checkpointed_layers_keep_fewer_activations_and_give_the_same_numbers():
     torch.testing.assert_close(lean["forces"], plain["forces"], rtol=0, atol=1e-12)
     torch.testing.assert_close(lean["stress"], plain["stress"], rtol=0, atol=1e-14)
     assert lean_bytes < 0.5 * plain_bytes, (lean_bytes, plain_bytes)
+
+
+def test_compiled_stages_are_whole_graphs_through_a_rebuilt_copy():
+    """e3nn's TorchScript layers would break every graph; the rebuilt copy compiles each stage whole (fullgraph=True
+    raises at any graph break, which would show as a failure) and gives the eager model's numbers."""
+    module = build_model("scaleshift_L2_corr3")
+    model = MACE(module, compile=True, compile_kwargs={"fullgraph": True})
+    system = System.from_ase(make_atoms(True, n_side=3))
+    got, want = Pipeline([model])(system, stress=True), Pipeline([MACE(module)])(system, stress=True)
+    assert model.stages.failure is None, model.stages.failure
+    assert model.network is not module and not any(isinstance(m, torch.jit.ScriptModule) for m in model.network.modules())
+    assert model.stages.compilations == 1 + len(module.interactions)  # the embedding and one graph per layer
+    torch.testing.assert_close(got["forces"], want["forces"], rtol=0, atol=1e-10)
+    torch.testing.assert_close(got["stress"], want["stress"], rtol=0, atol=1e-12)
+
+
+def test_a_model_mace_cannot_rebuild_warns_and_compiles_the_original(monkeypatch):
+    import mace.tools.scripts_utils as scripts_utils
+
+    monkeypatch.setattr(scripts_utils, "extract_config_mace_model", lambda module: {"error": "Model is not a ScaleShiftMACE"})
+    module = build_model("scaleshift_L2_corr3")
+    model = MACE(module, compile=True)
+    system = System.from_ase(make_atoms(True))
+    with pytest.warns(RuntimeWarning, match=r"MACE: compile=True could not rebuild the model .*not a ScaleShiftMACE"):
+        got = Pipeline([model])(system)
+    assert model.network is module
+    torch.testing.assert_close(got["forces"], Pipeline([MACE(module)])(system)["forces"], rtol=0, atol=1e-10)
