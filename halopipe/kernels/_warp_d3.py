@@ -103,12 +103,15 @@ def _dispersion(r2: wp.float64, q6: wp.float64, q8: wp.float64, zero_damping: wp
     return wp.vec4d(e6, e8, wp.float64(6.0) * r4 * e6 * e6, wp.float64(8.0) * r6 * e8 * e8)
 
 
-def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = False):
+def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = False, sparse: bool = False):
     """The thread-per-owned-atom lattice sum of one ``term`` (see the module docstring).
 
     ``store`` (``CN_COUNT``): also write each pair's image sums ``sum_t h d``
     (and ``sum_t h d (x) d`` with ``virial``) at ``[thread, partner]``, so the
-    chain forces need no second walk.
+    chain forces need no second walk. ``sparse``: ``sum_t h d`` only, at ``[thread, slot]`` instead,
+    the thread's partners in walk order, the partner in ``nbr_atom[thread *
+    capacity + slot]`` (``capacity = pair_grad.shape[1]``) and the partners
+    counted in ``nbr_count`` (those past the capacity are counted, not written).
     """
 
     @wp.kernel
@@ -245,7 +248,13 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                         if wp.static(term == CN_COUNT):
                             cn_i += total
                             wp.atomic_add(cn, j, total)
-                            if wp.static(store):  # this thread's row of the chain terms, for a pass without the walk
+                            if wp.static(store and sparse):  # this thread's partners and their chain terms, in walk order
+                                capacity = pair_grad.shape[1]
+                                if listed < capacity:
+                                    pair_grad[k, listed] = grad
+                                    nbr_atom[k * capacity + listed] = j
+                                listed += 1
+                            elif wp.static(store):  # this thread's row of the chain terms, for a pass without the walk
                                 pair_grad[k, j] = grad
                                 if wp.static(virial):
                                     pair_outer[k, j] = outer
@@ -274,7 +283,7 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                                 vir_i += c6 * outer
         if wp.static(term == CN_COUNT):
             wp.atomic_add(cn, i, cn_i)
-        if wp.static(term == NEIGHBOUR_COUNT):
+        if wp.static(term == NEIGHBOUR_COUNT or sparse):
             nbr_count[k] = listed
         if wp.static(virial and term != CN_COUNT):  # the walk of the counts keeps its virial terms per pair
             vir[k] = vir_i
@@ -285,6 +294,7 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
 lattice_cn_count = _lattice_kernel(CN_COUNT, False, False)
 lattice_cn_count_store = _lattice_kernel(CN_COUNT, False, False, store=True)
 lattice_cn_count_store_virial = _lattice_kernel(CN_COUNT, False, True, store=True)
+lattice_cn_count_sparse = _lattice_kernel(CN_COUNT, False, False, store=True, sparse=True)
 lattice_cn_chain = _lattice_kernel(CN_CHAIN, False, False)
 lattice_cn_chain_virial = _lattice_kernel(CN_CHAIN, False, True)
 lattice_bj = _lattice_kernel(TWO_BODY, False, False)
@@ -435,3 +445,26 @@ def _atm_kernel(virial: bool):
 
 lattice_atm = _atm_kernel(False)
 lattice_atm_virial = _atm_kernel(True)
+
+
+@wp.kernel
+def sparse_cn_chain(
+    owned: wp.array(dtype=wp.int32),
+    atom: wp.array(dtype=wp.int32),
+    count: wp.array(dtype=wp.int32),
+    pair_grad: wp.array2d(dtype=wp.vec3d),
+    cn_grad: wp.array(dtype=wp.float64),
+    forces: wp.array(dtype=wp.vec3d),
+):
+    """The CN chain forces from the sparse store of the counting walk: thread ``k``'s stored partners, no walk."""
+    k = wp.tid()
+    i = owned[k]
+    capacity = pair_grad.shape[1]
+    a_i = cn_grad[i]
+    f_i = wp.vec3d()
+    for slot in range(wp.min(count[k], capacity)):
+        j = atom[k * capacity + slot]
+        f = -(a_i + cn_grad[j]) * pair_grad[k, slot]  # on i; the partner gets the opposite
+        f_i += f
+        wp.atomic_sub(forces, j, f)
+    wp.atomic_add(forces, i, f_i)

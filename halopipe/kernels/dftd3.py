@@ -29,6 +29,7 @@ __all__ = [
     "D3Tables",
     "LatticeCells",
     "keeps_chain_terms",
+    "keeps_sparse_chain_terms",
     "lattice_atm",
     "lattice_cells",
     "lattice_cn_chain",
@@ -36,6 +37,7 @@ __all__ = [
     "lattice_kernel_available",
     "lattice_neighbours",
     "lattice_two_body",
+    "sparse_chain_capacity",
 ]
 
 
@@ -159,7 +161,7 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
     rows = lambda key: n if key in want else 0  # noqa: E731
     ref_weights = inputs.get("ref_weights", torch.zeros(0, 1, dtype=dtype, device=device))
     v = inputs.get("v", torch.zeros(0, 1, 1, dtype=dtype, device=device))
-    kept = (owned.numel(), n) if "pairs" in want else (0, 0)  # a (thread, partner) table
+    kept = (owned.numel(), inputs.get("capacity", n)) if "pairs" in want else (0, 0)  # a (thread, partner or slot) table
     outputs = {
         "cn": torch.zeros(rows("cn"), dtype=dtype, device=device),
         "energies": torch.zeros(rows("energies"), dtype=dtype, device=device),
@@ -203,20 +205,70 @@ def keeps_chain_terms(n_threads: int, n_atoms: int) -> bool:
     return n_threads * n_atoms * 12 * 8 <= CHAIN_STORE_BYTES
 
 
+def sparse_chain_capacity(n_atoms: int, volume: float, cutoff: float) -> int:
+    """Partner slots per thread for :func:`lattice_coordination_numbers`' sparse store: 1.5x a thread's expected share.
+
+    A thread takes about half the partners within ``cutoff`` of its atom (each
+    pair once), ``n_atoms / volume x 4/3 pi cutoff^3 / 2`` at uniform density;
+    a denser spot overflows the slots, and the chain forces then walk again.
+    """
+    expected = n_atoms / max(volume, 1e-30) * (4.0 / 3.0) * math.pi * cutoff**3 / 2.0
+    return int(min(1.5 * expected + 64, n_atoms))
+
+
+SPARSE_CHAIN_STORE_BYTES = 256 << 20
+"""Memory the coordination-number walk may fill with its partners' chain terms in slots (:func:`keeps_sparse_chain_terms`)."""
+
+
+def keeps_sparse_chain_terms(n_threads: int, capacity: int) -> bool:
+    """Whether ``capacity`` partner slots per thread (the partner and its ``sum_t h d``, 28 bytes) fit :data:`SPARSE_CHAIN_STORE_BYTES`.
+
+    The slots never hold the virial terms (the chain's virial walks again), so
+    that the choice, and with it the forces' last bits, does not depend on
+    whether the stress is wanted.
+    """
+    return n_threads * capacity * (4 + 24) <= SPARSE_CHAIN_STORE_BYTES
+
+
 def lattice_coordination_numbers(
-    owned: torch.Tensor, cells: LatticeCells, rcov: torch.Tensor, k1: float, keep: bool = False, virial: bool = False
+    owned: torch.Tensor,
+    cells: LatticeCells,
+    rcov: torch.Tensor,
+    k1: float,
+    keep: bool = False,
+    virial: bool = False,
+    capacity: int | None = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """This rank's share of every atom's D3 coordination number, (N,): the pairs its ``owned`` threads take.
 
     Summed over ranks (each pair is taken once), it is the coordination
     number of every atom. ``keep``: also return each (thread, partner) pair's
-    chain terms for :func:`lattice_cn_chain` (with their virial part when ``virial``).
+    chain terms for :func:`lattice_cn_chain`: a dense (threads, atoms) table
+    (with their virial part when ``virial``), or with ``capacity`` the threads'
+    partners in ``capacity`` slots each, without the virial part
+    (:func:`sparse_chain_capacity`; None is returned instead when a thread has
+    more partners, and the chain walks again).
     """
     species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=rcov.device)
-    name = "lattice_cn_count" + ("_store" if keep else "") + ("_virial" if keep and virial else "")
+    sparse = keep and capacity is not None
+    stored_virial = keep and virial and not sparse  # the sparse slots hold no virial terms
+    name = "lattice_cn_count" + (("_sparse" if sparse else "_store") if keep else "") + ("_virial" if stored_virial else "")
     inputs = {"rcov": rcov, "k1": k1, "want": ("cn", "pairs") if keep else ("cn",)}
-    out = _lattice_launch(name, owned, cells, species, inputs, keep and virial)
-    return out["cn"], (out["pair_grad"], out["pair_outer"] if virial else None) if keep else None
+    if sparse:
+        n = owned.numel()
+        lists = {
+            "atom": torch.zeros(n * capacity, dtype=torch.int32, device=rcov.device),
+            "count": torch.zeros(n, dtype=torch.int32, device=rcov.device),
+        }
+        inputs.update(capacity=int(capacity), neighbours=lists)
+    out = _lattice_launch(name, owned, cells, species, inputs, stored_virial)
+    if not keep:
+        return out["cn"], None
+    if not sparse:
+        return out["cn"], (out["pair_grad"], out["pair_outer"] if virial else None)
+    if n and int(lists["count"].max()) > capacity:
+        return out["cn"], None
+    return out["cn"], (out["pair_grad"], None, lists["atom"], lists["count"])
 
 
 def lattice_cn_chain(
@@ -226,8 +278,25 @@ def lattice_cn_chain(
 
     This rank's share: the pairs its ``owned`` threads take (forces land on
     both ends). ``kept``: the chain terms the coordination-number walk stored,
-    contracted densely instead of walking again.
+    contracted instead of walking again (the dense table in torch, the sparse
+    slots in a Warp kernel over the threads' stored partners; their virial walks).
     """
+    if kept is not None and len(kept) == 4:  # the sparse store: thread k's partners atom[k * capacity + slot], slot < count[k]
+        grad, _, atom, count = kept
+        wp = warp_module()
+        forces = torch.zeros_like(cells.positions)
+        if owned.numel():
+            launch(
+                warp_kernel("sparse_cn_chain", "_warp_d3"),
+                owned.numel(),
+                rcov.device,
+                [owned, atom, count, wp.from_torch(grad, dtype=wp.vec3d), cn_grad],
+                [forces],
+            )
+        if not virial:
+            return forces, None
+        # The slots hold no virial terms: the virial walks again (its forces, the same to rounding, are not used).
+        return forces, lattice_cn_chain(owned, cells, rcov, k1, cn_grad, True)[1]
     if kept is not None:
         grad, outer = kept
         coef = cn_grad[owned.long()][:, None] + cn_grad[None, :]  # (a_i + a_j) per (thread, partner)

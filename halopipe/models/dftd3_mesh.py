@@ -35,19 +35,31 @@ Valeeva et al. (2026, nvalchemi-toolkit-ops' ``fourier_dftd3``):
 Each atom gets ``1/2 sum_l lambda_l c_il phi_l,s_i(r_i)`` minus its self term
 (the pair energies half to each atom, as s-dftd3's atom-resolved energies).
 Forces and stress are autograd through the B-spline kernels' analytic
-backward, the FFTs, the cell in ``G(k)`` and the weights' CN chain (CNs of the owned atoms from
-the short CN list of the view's owned-centred pairs; each atom spreads its own
-``c_il``, so no ghost row needs a CN, and the ghost rows' gradients carry the
-chain forces home). Under domain decomposition the channels run on the view's
+backward, the FFTs, the cell in ``G(k)`` and the weights' CN chain. Each atom
+spreads its own ``c_il``, so only the owned atoms need a CN. Where Warp loads
+and there is no ATM term (:attr:`DFTD3Mesh.lattice_cn`) the CNs are lattice
+sums, as :class:`~halopipe.models.dftd3.DFTD3` computes them: every rank holds
+every position (one global sum of N rows), walks its owned atoms' partners and
+images within the CN cutoff in a Warp kernel, storing each partner's chain
+term where memory allows, and the chain forces come back from the stored
+terms (or by a second walk) and one global sum; the view then needs no pair
+list and no ghost rows.
+Otherwise the CNs come from the view's owned-centred pair list (torch) and the
+ghost rows' gradients carry the chain forces home. Under domain decomposition the channels run on the view's
 ``mesh_transform`` (slabs or pencils, :mod:`halopipe.distributed.fft`): each
 rank spreads its owned atoms onto the box its B-splines touch, so mesh memory
 per rank is ``O(M / P)`` plus the box. The optional ATM term (``s9``) keeps
 :class:`~halopipe.models.dftd3.DFTD3`'s real-space three-body sum with its
 cutoff (exact C6, ghost CNs refreshed from their owners).
 
-Cost: ``L x S`` channels (rank x elements present: 3 for Si, 12-21 for
-C/H/O at 1e-4-1e-5), each spread, transformed, filtered, transformed back and
-interpolated, and the same again in the backward pass (plain autograd). On one
+Cost: the CN walk over the ~2,000 partners an atom of a solid has within the
+40 bohr CN cutoff (about 0.45 s of 0.55 s for 4,096 Si atoms at ``accuracy``
+1e-4 on one CPU thread, with the chain terms stored: 28 bytes a pair, 175 MB
+there; beyond :data:`~halopipe.kernels.dftd3.SPARSE_CHAIN_STORE_BYTES`, and
+for the stress's virial, the chain walks again, +0.35 s), and ``L x S`` mesh channels
+(rank x elements present: 3 for Si, 12-21 for C/H/O at 1e-4-1e-5), each spread,
+transformed, filtered, transformed back and interpolated, and the same again in
+the backward pass (plain autograd). On one
 process the channels share one batched FFT; distributed, each channel is a
 transform of its own (its own transposes and box messages). The mesh spacing
 follows from ``accuracy`` (:func:`default_d3_mesh_spacing`, its error model).
@@ -62,6 +74,15 @@ from dataclasses import dataclass
 import torch
 from ase import units
 
+from ..kernels.dftd3 import (
+    keeps_chain_terms,
+    keeps_sparse_chain_terms,
+    lattice_cells,
+    lattice_cn_chain,
+    lattice_coordination_numbers,
+    lattice_kernel_available,
+    sparse_chain_capacity,
+)
 from ..kernels.mesh import interpolate_mesh, spread_charges
 from ..meshfft import LocalMeshTransform, MeshTransform
 from .base import LocalView, ModelOutput, check_positive_length
@@ -213,6 +234,61 @@ def default_d3_mesh_spacing(accuracy: float, r0_min: float, order: int) -> float
     return lo
 
 
+# ------------------------------------------------------------------ coordination numbers
+class _LatticeCoordinationNumbers(torch.autograd.Function):
+    """Owned atoms' D3 coordination numbers by lattice sums (Warp); backward: the CN chain, complete on the owned rows.
+
+    Every rank holds every atom's position (one global sum of N rows), its
+    threads walk its owned atoms' partners and their images within the CN
+    cutoff (:func:`~halopipe.kernels.dftd3.lattice_coordination_numbers`),
+    and one global sum of N values brings the coordination numbers home, as
+    :class:`~halopipe.models.dftd3.DFTD3` does. No image is a row of the view,
+    so the view needs no pair list and no ghost rows. The backward takes any
+    ``dE/dCN`` of the owned atoms (a vector-Jacobian product, not only the
+    total energy's): its global sum gives every atom's, the chain walk
+    (:func:`~halopipe.kernels.dftd3.lattice_cn_chain`) this rank's share of the
+    forces on all atoms, and a global sum the complete forces on the owned
+    rows; the cell gets the rest of this rank's strain derivative,
+    ``cell^T G = sum d (x) dE/dd + rows^T forces``, so that
+    ``rows^T dE/drows + cell^T G`` sums over ranks to ``dE/d(strain)``.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, cell, model, view):
+        f64, n = torch.float64, view.n_owned
+        owned = view.ids[:n]
+        mine = torch.cat([rows.detach().to(f64), view.numbers[:n, None].to(f64)], dim=1)
+        packed = view.global_sum(mine.new_zeros(view.n_total, 4).index_copy(0, owned, mine))
+        positions, numbers = packed[:, :3], packed[:, 3].round().to(torch.int64)
+        rcov = model.rcov[numbers].to(f64).contiguous()
+        cells = lattice_cells(positions, cell.detach().to(f64), view.pbc, model.cn_cutoff)
+        threads = owned.to(torch.int32).contiguous()
+        virial = bool(ctx.needs_input_grad[1])
+        # Keep each (thread, partner) pair's chain terms from this walk where they fit, so that the backward is one
+        # contraction instead of a second walk: a dense (threads, atoms) table for small systems, else each thread's
+        # partners in slots (falling back to the walk when a thread has more partners than slots).
+        keep, capacity = ctx.needs_input_grad[0] or virial, None
+        if keep and not keeps_chain_terms(n, view.n_total):
+            capacity = sparse_chain_capacity(view.n_total, float(torch.linalg.det(cell.detach()).abs()), model.cn_cutoff)
+            keep = keeps_sparse_chain_terms(n, capacity)
+        share, kept = lattice_coordination_numbers(threads, cells, rcov, K1, keep, virial, capacity if keep else None)
+        ctx.state = (view, cells, threads, rcov, kept, virial)
+        ctx.save_for_backward(rows.detach().to(f64), cell.detach().to(f64))
+        return view.global_sum(share)[owned].to(rows.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        view, cells, threads, rcov, kept, virial = ctx.state
+        rows, cell = ctx.saved_tensors
+        owned = threads.long()
+        cn_grad = view.global_sum(rows.new_zeros(view.n_total).index_copy(0, owned, grad.to(rows.dtype)))
+        share, chain_virial = lattice_cn_chain(threads, cells, rcov, K1, cn_grad, virial, kept)
+        forces = view.global_sum(share)[owned]
+        grad_cell = torch.linalg.solve(cell.T, chain_virial + rows.T @ forces).to(grad.dtype) if ctx.needs_input_grad[1] else None
+        return (-forces).to(grad.dtype), grad_cell, None, None
+
+
 # ------------------------------------------------------------------ model
 class DFTD3Mesh(DFTD3):
     """D3(BJ) dispersion with the two-body sum on a particle mesh: no dispersion cutoff.
@@ -231,7 +307,8 @@ class DFTD3Mesh(DFTD3):
     mesh_spacing : largest mesh spacing along each lattice vector, Å (overrides ``accuracy``).
     mesh_size : explicit mesh ``(n1, n2, n3)`` (overrides both).
     order : B-spline order, 4 to 6 (6, the default, needs the fewest mesh points for an accuracy).
-    cn_cutoff : coordination-number cutoff, Å (the view's pair list and halo).
+    cn_cutoff : coordination-number cutoff, Å (the lattice walk's reach; without
+        :attr:`lattice_cn`, the view's pair list and halo).
     s9, atm_cutoff : three-body ATM scaling and cutoff: the real-space ATM sum
         of :class:`~halopipe.models.dftd3.DFTD3` with its cutoff (0: off).
     params : overrides of ``s6``, ``s8``, ``a1``, ``a2`` (bohr).
@@ -243,7 +320,7 @@ class DFTD3Mesh(DFTD3):
     -----
     A class of its own rather than ``DFTD3(summation="mesh")``: it has other
     parameters (accuracy, mesh, rank tolerance, no two-body cutoff) and
-    another contract (forces by autograd only, ghost rows to the CN cutoff, a
+    another contract (forces by autograd only, no two-body pair list, a
     cell-dependent reciprocal kernel, so no direct forces by local autograd),
     so a flag would make every property of :class:`DFTD3` branch. It reuses
     that class's reference tables, parameters and (for ``s9``) its ATM term.
@@ -306,13 +383,23 @@ class DFTD3Mesh(DFTD3):
         return False
 
     @property
+    def lattice_cn(self) -> bool:
+        """Coordination numbers by lattice sums (Warp available, no ATM term): the view then needs no pairs and no ghost rows.
+
+        The ATM term reads the ghost rows' CNs and C6 of its real-space triples,
+        so with ``s9`` the CNs come from the view's pair list instead (torch).
+        """
+        return self.s9 == 0.0 and lattice_kernel_available(torch.float64)
+
+    @property
     def interaction_cutoff(self) -> float:
         """The reach of the real-space terms (the two-body sum has none), Å."""
         return max(self.cn_cutoff, self.atm_cutoff if self.s9 != 0.0 else 0.0)
 
     @property
     def cutoff(self) -> float:
-        return self.interaction_cutoff
+        """The view's pair list and halo: none with :attr:`lattice_cn`, else :attr:`interaction_cutoff`."""
+        return 0.0 if self.lattice_cn else self.interaction_cutoff
 
     @property
     def ghost_forces(self) -> bool:
@@ -367,8 +454,10 @@ class DFTD3Mesh(DFTD3):
         carrying a graph (stress: the strained cell) gets a fresh kernel on this
         call's graph; a constant cell (an MD step) reuses the cached one, as PME does.
         """
+        # One process gets a new LocalMeshTransform per call: key it by its sizes; a distributed transform is cached by its system.
+        key = transform.sizes if isinstance(transform, LocalMeshTransform) else transform
         cached = self._cached_kernel
-        if cached is not None and not cell.requires_grad and cached[1] is transform and cached[3] == species and _same(cached[0], cell):
+        if cached is not None and not cell.requires_grad and cached[1] == key and cached[3] == species and _same(cached[0], cell):
             return cached[2]
         sizes = transform.sizes
         m0, m1, m2 = transform.frequencies(cell.device)
@@ -389,7 +478,7 @@ class DFTD3Mesh(DFTD3):
         transform_k = p["s6"] * bj_fourier_transform(k, r0, 6) + p["s8"] * qq * bj_fourier_transform(k, r0, 8)
         kernel = -transform_k * influence / torch.linalg.det(cell).abs()
         if not cell.requires_grad:
-            self._cached_kernel = (cell.detach().clone(), transform, kernel, species)
+            self._cached_kernel = (cell.detach().clone(), key, kernel, species)
         return kernel
 
     def _weights(self, numbers: torch.Tensor, cn: torch.Tensor, n_max: int) -> torch.Tensor:
@@ -419,7 +508,9 @@ class DFTD3Mesh(DFTD3):
         dtype, n = view.positions.dtype, view.n_owned
         species = self._global_species(view)
         rcov = self.rcov.to(dtype)
-        if self.s9 != 0.0:
+        if self.lattice_cn:
+            cn = _LatticeCoordinationNumbers.apply(view.positions[:n], view.cell, self, view)
+        elif self.s9 != 0.0:
             cn = coordination_numbers(view, rcov, self.cn_cutoff)  # ghost rows' CNs too: the ATM term reads them
         else:
             i, j = view.pairs
@@ -435,8 +526,8 @@ class DFTD3Mesh(DFTD3):
     def _two_body_mesh(self, view: LocalView, cn: torch.Tensor, species: tuple[int, ...]) -> torch.Tensor:
         """Owned atoms' two-body energies from the mesh (see the module docstring)."""
         dtype, device, n = view.positions.dtype, view.positions.device, view.n_owned
-        if not species:
-            return view.positions.new_zeros(0)
+        if not species:  # no atom anywhere: still on the CNs' graph, so that every rank runs their backward's collectives
+            return 0.0 * cn
         dec = self.decompose(species)
         self.decomposition = dec
         numbers = view.numbers[:n]

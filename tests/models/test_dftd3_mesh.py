@@ -253,8 +253,36 @@ def test_rejections() -> None:
 
 
 def test_cutoff_sum_is_untouched() -> None:
-    """DFTD3 keeps its lattice sums; the mesh model asks for the CN list only."""
+    """DFTD3 keeps its lattice sums; the mesh model asks for the CN list only, and none with lattice-sum CNs."""
     mesh, plain = DFTD3Mesh(cn_cutoff=11.0), DFTD3(cutoff=30.0, cn_cutoff=11.0)
-    assert mesh.cutoff == mesh.halo == 11.0 and not mesh.direct_forces and mesh.ghost_forces
+    assert mesh.cutoff == mesh.halo == (0.0 if mesh.lattice_cn else 11.0) and not mesh.direct_forces and mesh.ghost_forces
+    assert mesh.interaction_cutoff == 11.0
     assert DFTD3Mesh(cn_cutoff=8.0, s9=1.0, atm_cutoff=9.5).cutoff == 9.5
     assert plain.direct_forces and plain.cutoff in (0.0, 30.0)
+
+
+@pytest.mark.parametrize("name, store", [("si", "dense"), ("si", "sparse"), ("si", "overflow"), ("si", "walk"), ("cho", "sparse")])
+def test_lattice_coordination_numbers_equal_pair_list(name: str, store: str, monkeypatch) -> None:
+    """The Warp lattice-sum CNs (no pair list) equal the torch pair-list CNs, whichever way the chain forces come back.
+
+    ``store``: the walk's pair terms kept in a dense (threads, atoms) table, in per-thread partner slots,
+    in slots too few for a thread's partners (so the chain walks again), or not kept (a second walk).
+    """
+    pytest.importorskip("warp")
+    import halopipe.models.dftd3_mesh as module
+
+    monkeypatch.setattr(module, "keeps_chain_terms", lambda threads, atoms: store == "dense")
+    monkeypatch.setattr(module, "keeps_sparse_chain_terms", lambda threads, capacity: store != "walk")
+    if store == "overflow":
+        monkeypatch.setattr(module, "sparse_chain_capacity", lambda n, volume, cutoff: 1)
+    model = DFTD3Mesh(FUNCTIONALS[name], accuracy=1e-6)
+    if not model.lattice_cn:
+        pytest.skip("Warp kernels unavailable")
+    atoms = SYSTEMS[name]()
+    lattice = evaluate(model, atoms)
+    monkeypatch.setattr(DFTD3Mesh, "lattice_cn", property(lambda self: False))  # as without Warp
+    listed = evaluate(DFTD3Mesh(FUNCTIONALS[name], accuracy=1e-6), atoms)
+    assert float(lattice["energy"]) == pytest.approx(float(listed["energy"]), rel=1e-12)
+    assert float((lattice["forces"] - listed["forces"]).abs().max()) < 1e-10
+    assert float((lattice["stress"] - listed["stress"]).abs().max()) < 1e-12
+    assert float(listed["forces"].abs().max()) > 1e-3
