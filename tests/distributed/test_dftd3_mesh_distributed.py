@@ -111,13 +111,10 @@ CASES = {
     4: [
         ("silicon", "slab", (4, 1, 1)),
         ("crystal", "pencil", (2, 2, 1)),
-        ("sparse", "sparse_slab", (1, 2, 2)),
         ("sparse", "sparse_pencil", (2, 2, 1)),
     ],
-    8: [
-        ("silicon", "pencil", (2, 2, 2)),
-        ("sparse", "sparse_slab", (2, 2, 2)),
-    ],
+    # 8 processes share CI's 2 cores: one case (ranks without atoms are covered on 4)
+    8: [("sparse", "sparse_slab", (2, 2, 2))],
 }
 
 
