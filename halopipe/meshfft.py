@@ -17,6 +17,10 @@ A particle-mesh model (PME) needs three things from the mesh, and a
 * :meth:`MeshTransform.frequencies`: the signed integer frequencies of those
   owned k-points, so a kernel ``G(k)`` is evaluated only there.
 
+Every operation takes leading batch dimensions (several meshes of the same
+shape, the channels of one model): they travel together, in one message per
+peer and one batched FFT, not one transform per mesh.
+
 :class:`LocalMeshTransform` is the single-process implementation: the whole
 mesh, ``torch.fft.rfftn``. The distributed transforms of
 :mod:`halopipe.distributed.fft` implement the same interface with mesh slabs
@@ -64,11 +68,11 @@ class BoxMap:
     extent: tuple[int, int, int]
 
     def to_mesh(self, box: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
-        """Sum the box's values into this process's part of the mesh (differentiable)."""
+        """Sum the box's values ``(..., *extent)`` into this process's part of the mesh ``(..., *part)`` (differentiable)."""
         raise NotImplementedError
 
     def from_mesh(self, mesh: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
-        """The mesh's values at the box points, shape ``extent`` (differentiable)."""
+        """The mesh's values ``(..., *part)`` at the box points, shape ``(..., *extent)`` (differentiable)."""
         raise NotImplementedError
 
 
@@ -89,7 +93,7 @@ class MeshTransform:
         raise NotImplementedError
 
     def forward(self, mesh: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
-        """Unscaled real-to-complex DFT; returns the owned k-points."""
+        """Unscaled real-to-complex DFT over the last three axes; returns the owned k-points."""
         raise NotImplementedError
 
     def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
@@ -109,12 +113,14 @@ class _LocalBoxMap(BoxMap):
         self.flat = box_flat_index(lo, extent, sizes)
 
     def to_mesh(self, box: torch.Tensor) -> torch.Tensor:
+        batch = box.shape[:-3]
         flat = self.flat.to(box.device).reshape(-1)
-        mesh = box.new_zeros(math.prod(self.sizes))
-        return mesh.index_add(0, flat, box.reshape(-1)).reshape(self.sizes)
+        mesh = box.new_zeros(batch + (math.prod(self.sizes),))
+        return mesh.index_add(-1, flat, box.reshape(batch + (-1,))).reshape(batch + self.sizes)
 
     def from_mesh(self, mesh: torch.Tensor) -> torch.Tensor:
-        return mesh.reshape(-1)[self.flat.to(mesh.device).reshape(-1)].reshape(self.extent)
+        batch = mesh.shape[:-3]
+        return mesh.reshape(batch + (-1,))[..., self.flat.to(mesh.device).reshape(-1)].reshape(batch + self.extent)
 
 
 class LocalMeshTransform(MeshTransform):
@@ -127,10 +133,10 @@ class LocalMeshTransform(MeshTransform):
         return _LocalBoxMap(lo, extent, self.sizes)
 
     def forward(self, mesh: torch.Tensor) -> torch.Tensor:
-        return torch.fft.rfftn(mesh, dim=(0, 1, 2), norm="backward")
+        return torch.fft.rfftn(mesh, dim=(-3, -2, -1), norm="backward")
 
     def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:
-        return torch.fft.irfftn(spectrum, s=self.sizes, dim=(0, 1, 2), norm="forward")
+        return torch.fft.irfftn(spectrum, s=self.sizes, dim=(-3, -2, -1), norm="forward")
 
     def frequencies(self, device=None):
         n0, n1, n2 = self.sizes

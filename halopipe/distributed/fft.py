@@ -42,10 +42,14 @@ support, ghost layer included) to the block owners, summing on arrival, and
 reads a box back from the blocks: the mesh's halo exchange, differentiable
 both ways. Box descriptors (six integers per rank) are all-gathered once per
 map; the values travel point to point, only between ranks whose box and block
-meet.
+meet. Leading batch axes (several meshes, e.g. a model's channels) travel
+with the mesh axes: one all-to-all per transpose and one message per peer for
+the whole batch.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -122,7 +126,8 @@ class AllToAll(torch.autograd.Function):
 def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]):
     """Redistribute a complex block among the ranks of ``comm`` with one all-to-all.
 
-    ``x`` holds all of ``split_axis`` and this rank's piece of ``gather_axis``.
+    The axes count from the first of ``x``'s last three (leading axes are a
+    batch of meshes, moved together). ``x`` holds all of ``split_axis`` and this rank's piece of ``gather_axis``.
     Piece ``t`` of ``split_axis`` (``split_sizes[t]``) goes to rank ``t``; the
     pieces received are joined along ``gather_axis`` in rank order (rank ``s``
     held ``gather_sizes[s]``). The result holds all of ``gather_axis`` and this
@@ -131,6 +136,7 @@ def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[i
     if comm.size == 1:
         return x
     me = comm.rank
+    split_axis, gather_axis = split_axis + x.dim() - 3, gather_axis + x.dim() - 3  # after any batch axes
     pieces = torch.split(torch.view_as_real(x), split_sizes, dim=split_axis)
     send = torch.cat([p.reshape(-1) for p in pieces])  # grouped by destination
     shapes = []
@@ -138,7 +144,7 @@ def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[i
         shape = list(x.shape) + [2]
         shape[split_axis], shape[gather_axis] = split_sizes[me], held
         shapes.append(shape)
-    recv_sizes = [shape[0] * shape[1] * shape[2] * 2 for shape in shapes]
+    recv_sizes = [math.prod(shape) for shape in shapes]
     got = AllToAll.apply(send, comm, [p.numel() for p in pieces], recv_sizes)
     blocks = [g.reshape(shape) for g, shape in zip(torch.split(got, recv_sizes), shapes)]
     return torch.view_as_complex(torch.cat(blocks, dim=gather_axis))
@@ -274,21 +280,21 @@ class PencilMeshTransform(MeshTransform):
 
     # ----------------------------------------------------------- interface
     def forward(self, mesh: torch.Tensor) -> torch.Tensor:
-        if tuple(mesh.shape) != self.real_shape():
+        if tuple(mesh.shape[-3:]) != self.real_shape():
             name, shape = type(self).__name__, self.real_shape()
-            raise ValueError(f"{name}.forward: this rank's block must have shape {shape}, got {tuple(mesh.shape)}")
+            raise ValueError(f"{name}.forward: this rank's block must have shape (..., *{shape}), got {tuple(mesh.shape)}")
         row, column = self._row_and_column()
         p = self.pieces
-        x = _fft(torch.fft.rfft, mesh, dim=2, norm="backward")
-        x = _fft(torch.fft.fft, _transpose(x, row, 2, p["k2"], 1, p["x1"]), dim=1, norm="backward")
-        return _fft(torch.fft.fft, _transpose(x, column, 1, p["k1"], 0, p["x0"]), dim=0, norm="backward")
+        x = _fft(torch.fft.rfft, mesh, dim=-1, norm="backward")
+        x = _fft(torch.fft.fft, _transpose(x, row, 2, p["k2"], 1, p["x1"]), dim=-2, norm="backward")
+        return _fft(torch.fft.fft, _transpose(x, column, 1, p["k1"], 0, p["x0"]), dim=-3, norm="backward")
 
     def inverse(self, spectrum: torch.Tensor) -> torch.Tensor:
         row, column = self._row_and_column()
         p = self.pieces
-        x = _transpose(_fft(torch.fft.ifft, spectrum, dim=0, norm="forward"), column, 0, p["x0"], 1, p["k1"])
-        x = _transpose(_fft(torch.fft.ifft, x, dim=1, norm="forward"), row, 1, p["x1"], 2, p["k2"])
-        return _fft(torch.fft.irfft, x, n=self.sizes[2], dim=2, norm="forward")
+        x = _transpose(_fft(torch.fft.ifft, spectrum, dim=-3, norm="forward"), column, 0, p["x0"], 1, p["k1"])
+        x = _transpose(_fft(torch.fft.ifft, x, dim=-2, norm="forward"), row, 1, p["x1"], 2, p["k2"])
+        return _fft(torch.fft.irfft, x, n=self.sizes[2], dim=-1, norm="forward")
 
     def frequencies(self, device=None):
         (c1, d1), (c2, d2) = self.own_rows, self.own_k2
@@ -300,7 +306,7 @@ class PencilMeshTransform(MeshTransform):
     def scatter_full(self, mesh: torch.Tensor) -> torch.Tensor:
         """This rank's block of a full mesh (for tests and for starting from a replicated mesh)."""
         (a0, b0), (a1, b1) = self.own_planes, self.own_columns
-        return mesh[a0:b0, a1:b1]
+        return mesh[..., a0:b0, a1:b1, :]
 
     def boxes(self, lo, extent) -> BoxMap:
         """A box map holding ``(lo, extent)``: a cached one where it holds every rank's box, else a new padded one.
@@ -396,25 +402,26 @@ class BlockBoxMap(BoxMap):
 
     def _scatter_sum(self, box: torch.Tensor) -> torch.Tensor:
         """Box values -> my block, each mesh point summed over all boxes holding it."""
-        t = self.t
-        sends = {s: box[i0.to(box.device)[:, None], i1.to(box.device)[None, :]] for s, (i0, i1) in self.send_lines.items()}
-        shapes = {r: tuple(flat.shape) for r, flat in self.recv_flat.items()}
+        t, batch = self.t, tuple(box.shape[:-3])
+        sends = {s: box[..., i0.to(box.device)[:, None], i1.to(box.device)[None, :], :] for s, (i0, i1) in self.send_lines.items()}
+        shapes = {r: batch + tuple(flat.shape) for r, flat in self.recv_flat.items()}
         got = t.comm.exchange(sends, shapes, box.dtype, box.device)
         shape = t.real_shape()
-        block = box.new_zeros(shape[0] * shape[1] * shape[2])
+        block = box.new_zeros(batch + (math.prod(shape),))
         for r, flat in self.recv_flat.items():
-            block.index_add_(0, flat.to(box.device).reshape(-1), got[r].reshape(-1))
-        return block.reshape(shape)
+            block.index_add_(-1, flat.to(box.device).reshape(-1), got[r].reshape(batch + (-1,)))
+        return block.reshape(batch + shape)
 
     def _gather(self, block: torch.Tensor) -> torch.Tensor:
         """My block -> every box's values at its points (the adjoint of :meth:`_scatter_sum`)."""
-        flat_block = block.reshape(-1)
-        sends = {r: flat_block[flat.to(block.device).reshape(-1)].reshape(flat.shape) for r, flat in self.recv_flat.items()}
-        shapes = {s: (i0.numel(), i1.numel(), self.extent[2]) for s, (i0, i1) in self.send_lines.items()}
+        batch = tuple(block.shape[:-3])
+        flat_block = block.reshape(batch + (-1,))
+        sends = {r: flat_block[..., flat.to(block.device).reshape(-1)].reshape(batch + flat.shape) for r, flat in self.recv_flat.items()}
+        shapes = {s: batch + (i0.numel(), i1.numel(), self.extent[2]) for s, (i0, i1) in self.send_lines.items()}
         got = self.t.comm.exchange(sends, shapes, block.dtype, block.device)
-        box = block.new_zeros(self.extent)
+        box = block.new_zeros(batch + self.extent)
         for s, (i0, i1) in self.send_lines.items():
-            box[i0.to(block.device)[:, None], i1.to(block.device)[None, :]] = got[s]
+            box[..., i0.to(block.device)[:, None], i1.to(block.device)[None, :], :] = got[s]
         return box
 
     def to_mesh(self, box: torch.Tensor) -> torch.Tensor:

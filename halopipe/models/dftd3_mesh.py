@@ -59,9 +59,9 @@ there; beyond :data:`~halopipe.kernels.dftd3.SPARSE_CHAIN_STORE_BYTES`, and
 for the stress's virial, the chain walks again, +0.35 s), and ``L x S`` mesh channels
 (rank x elements present: 3 for Si, 12-21 for C/H/O at 1e-4-1e-5), each spread,
 transformed, filtered, transformed back and interpolated, and the same again in
-the backward pass (plain autograd). On one
-process the channels share one batched FFT; distributed, each channel is a
-transform of its own (its own transposes and box messages). The mesh spacing
+the backward pass (plain autograd). The channels travel as one batch: one
+batched FFT, and distributed one message per peer for each box exchange and
+transpose, whatever the number of channels. The mesh spacing
 follows from ``accuracy`` (:func:`default_d3_mesh_spacing`, its error model).
 """
 
@@ -87,7 +87,7 @@ from ..kernels.mesh import interpolate_mesh, spread_charges
 from ..meshfft import LocalMeshTransform, MeshTransform
 from .base import LocalView, ModelOutput, check_positive_length
 from .dftd3 import _C6, DEFAULT_ATM_CUTOFF, DEFAULT_CN_CUTOFF, DFTD3, K1, K3, MAX_Z, coordination_numbers
-from .pme import _MAX_MESH_POINTS, _same, _Stencil, bspline_influence, mesh_size
+from .particle_mesh import MAX_MESH_POINTS, Stencil, influence, mesh_size, same_tensor
 
 __all__ = ["DFTD3Mesh", "C6Decomposition", "decompose_c6", "bj_fourier_transform", "default_d3_mesh_spacing", "mesh_error_estimate"]
 
@@ -434,9 +434,9 @@ class DFTD3Mesh(DFTD3):
         else:
             spacing = self.spacing(species)
             sizes = mesh_size(cell, spacing, self.order)
-        if math.prod(sizes) > _MAX_MESH_POINTS:
+        if math.prod(sizes) > MAX_MESH_POINTS:
             raise ValueError(
-                f"DFTD3Mesh: mesh {sizes} (spacing {spacing:.4g} Å) exceeds {_MAX_MESH_POINTS} points; loosen accuracy or raise order"
+                f"DFTD3Mesh: mesh {sizes} (spacing {spacing:.4g} Å) exceeds {MAX_MESH_POINTS} points; loosen accuracy or raise order"
             )
         return sizes
 
@@ -457,7 +457,7 @@ class DFTD3Mesh(DFTD3):
         # One process gets a new LocalMeshTransform per call: key it by its sizes; a distributed transform is cached by its system.
         key = transform.sizes if isinstance(transform, LocalMeshTransform) else transform
         cached = self._cached_kernel
-        if cached is not None and not cell.requires_grad and cached[1] == key and cached[3] == species and _same(cached[0], cell):
+        if cached is not None and not cell.requires_grad and cached[1] == key and cached[3] == species and same_tensor(cached[0], cell):
             return cached[2]
         sizes = transform.sizes
         m0, m1, m2 = transform.frequencies(cell.device)
@@ -466,17 +466,13 @@ class DFTD3Mesh(DFTD3):
         k_sq = (kvec * kvec).sum(-1)
         nonzero = k_sq > 0
         k = torch.where(nonzero, torch.sqrt(torch.where(nonzero, k_sq, torch.ones_like(k_sq))), torch.zeros_like(k_sq))  # no sqrt'(0)
-        influence = (
-            bspline_influence(sizes[0], self.order, False, cell.dtype, cell.device)[m0 % sizes[0]]
-            * bspline_influence(sizes[1], self.order, False, cell.dtype, cell.device)[m1 % sizes[1]]
-            * bspline_influence(sizes[2], self.order, True, cell.dtype, cell.device)[m2]
-        )
+        influence_m = influence(m0, m1, m2, sizes, self.order, cell.dtype, cell.device)
         r0, qq = self.pair_tables(species, cell.dtype, cell.device)
         shape = (len(species), len(species)) + (1,) * k.dim()
         r0, qq = r0.reshape(shape), qq.reshape(shape)
         p = self.params
         transform_k = p["s6"] * bj_fourier_transform(k, r0, 6) + p["s8"] * qq * bj_fourier_transform(k, r0, 8)
-        kernel = -transform_k * influence / torch.linalg.det(cell).abs()
+        kernel = -transform_k * influence_m / torch.linalg.det(cell).abs()
         if not cell.requires_grad:
             self._cached_kernel = (cell.detach().clone(), key, kernel, species)
         return kernel
@@ -543,7 +539,7 @@ class DFTD3Mesh(DFTD3):
         sizes = self.mesh(view.cell, species)
         transform = view.mesh_transform(sizes, self.mesh_mode) if view.mesh_transform is not None else LocalMeshTransform(sizes)
         local = isinstance(transform, LocalMeshTransform)
-        stencil = _Stencil(view.cell, view.positions[:n], sizes, self.order, whole_mesh=local)
+        stencil = Stencil(view.cell, view.positions[:n], sizes, self.order, whole_mesh=local)
         boxmap = None
         if not local:
             boxmap = transform.boxes(stencil.lo, stencil.extent)
@@ -555,10 +551,13 @@ class DFTD3Mesh(DFTD3):
         members = [torch.nonzero(sidx == s).squeeze(1) for s in range(n_species)]  # a loop over species, not atoms
         channels = [spread_charges(u[atoms], c[atoms, slot], first[atoms], box) for slot in range(rank) for atoms in members]
         kernel = self._kernel(view.cell, transform, species)  # (S, S, k...)
-        spectra = self._forward(transform, boxmap, channels)  # (L * S, k...)
+        # All channels in one batch: one FFT, one message per peer and transpose for the lot.
+        boxes = torch.stack(channels)
+        spectra = transform.forward(boxes if boxmap is None else boxmap.to_mesh(boxes))  # (L * S, k...)
         spectra = spectra.reshape((rank, n_species) + tuple(spectra.shape[1:]))
         potentials = torch.einsum("st...,lt...->ls...", kernel.to(spectra.dtype), spectra)
-        mesh = self._inverse(transform, boxmap, potentials.reshape((rank * n_species,) + tuple(potentials.shape[2:])))
+        mesh = transform.inverse(potentials.reshape((rank * n_species,) + tuple(potentials.shape[2:])))
+        mesh = mesh if boxmap is None else boxmap.from_mesh(mesh)
 
         phi = u.new_zeros(n, rank)
         for s in range(n_species):
@@ -573,17 +572,3 @@ class DFTD3Mesh(DFTD3):
         at_zero = -(p["s6"] / diag_r0**6 + p["s8"] * diag_qq / diag_r0**8)
         c6_self = (lam * c * c).sum(dim=1)
         return energies - 0.5 * c6_self * at_zero[sidx]
-
-    @staticmethod
-    def _forward(transform: MeshTransform, boxmap, channels: list[torch.Tensor]) -> torch.Tensor:
-        """Spectra (C, k...) of the channels' boxes: one batched rFFT on one process, one transform per channel otherwise."""
-        if boxmap is None:
-            return torch.fft.rfftn(torch.stack(channels), dim=(1, 2, 3), norm="backward")
-        return torch.stack([transform.forward(boxmap.to_mesh(box)) for box in channels])
-
-    @staticmethod
-    def _inverse(transform: MeshTransform, boxmap, spectra: torch.Tensor) -> torch.Tensor:
-        """Real boxes (C, box...) of the channels' filtered spectra (the inverse of :meth:`_forward`'s path)."""
-        if boxmap is None:
-            return torch.fft.irfftn(spectra, s=transform.sizes, dim=(1, 2, 3), norm="forward")
-        return torch.stack([boxmap.from_mesh(transform.inverse(spectrum)) for spectrum in spectra])

@@ -68,11 +68,11 @@ import math
 
 import torch
 
-from ..kernels.mesh import SplineBox, check_inside, gather_values, mesh_coordinates, spread_values, support_start
 from ..meshfft import LocalMeshTransform, MeshTransform
 from .base import LocalView, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 from .ewald import SplitCoulomb, accuracy_exponent
+from .particle_mesh import MAX_MESH_POINTS, Stencil, bspline_influence, influence, mesh_size, same_tensor
 
 __all__ = ["PME", "mesh_size", "default_mesh_spacing", "bspline_influence"]
 
@@ -83,22 +83,9 @@ _MESH_MODES = ("auto", "replicated", "distributed", "slab", "pencil")  # the las
 # (docs/benchmarks.md): on 2 ranks the distributed mesh sends slightly more bytes than the all-reduce and
 # saves memory and time from 64^3; on 4 or more it sends fewer bytes and uses less memory from 32^3.
 DISTRIBUTED_MESH_MIN_POINTS = {2: 64**3, 4: 32**3}
-_MAX_MESH_POINTS = 1 << 26  # 0.5 GiB per float64 mesh: beyond it, ask for a coarser setting
 
 
 # --------------------------------------------------------------------- mesh
-def _smooth_size(n: int) -> int:
-    """Smallest integer >= n whose only prime factors are 2, 3 and 5 (fast FFTs)."""
-    while True:
-        m = n
-        for p in (2, 3, 5):
-            while m % p == 0:
-                m //= p
-        if m == 1:
-            return n
-        n += 1
-
-
 def default_mesh_spacing(alpha: float, accuracy: float, order: int) -> float:
     """Mesh spacing ``h`` (Å) expected to reach ``accuracy`` with B-splines of ``order``.
 
@@ -122,38 +109,6 @@ def default_mesh_spacing(alpha: float, accuracy: float, order: int) -> float:
     h = (accuracy / c) ** (1.0 / max(p - 1, 1)) / alpha
     kmax = 2.0 * accuracy_exponent(accuracy) * alpha
     return min(h, math.pi / kmax)
-
-
-def mesh_size(cell: torch.Tensor, spacing: float, order: int) -> list[int]:
-    """Mesh points along each lattice vector: ``ceil(|a_i| / spacing)``, made FFT-friendly.
-
-    Chosen on the detached cell; at least ``2 * order`` so that a B-spline
-    never wraps onto itself.
-    """
-    lengths = cell.detach().norm(dim=1).tolist()
-    return [_smooth_size(max(2 * order, math.ceil(length / spacing - 1e-9))) for length in lengths]
-
-
-def _centred_bspline(order: int, x: float) -> float:
-    """Centred cardinal B-spline of ``order`` (support ``|x| < order / 2``) at ``x``."""
-    # M_p(y) = 1/(p-1)! sum_k (-1)^k C(p, k) (y - k)_+^(p-1), shifted by p/2 to centre it.
-    y = x + order / 2.0
-    total = sum((-1) ** k * math.comb(order, k) * max(y - k, 0.0) ** (order - 1) for k in range(order + 1))
-    return total / math.factorial(order - 1)
-
-
-def bspline_influence(n: int, order: int, half: bool, dtype: torch.dtype, device) -> torch.Tensor:
-    """``1 / |b(m)|^2`` along one mesh axis, for ``m`` in FFT (``half``: rFFT) layout.
-
-    ``b(m) = sum_j W(j) exp(2 pi i m j / n)``, the DFT of the centred B-spline
-    sampled at the mesh points; symmetric, so a cosine sum.
-    """
-    reach = order // 2
-    j = torch.arange(-reach, reach + 1, dtype=dtype, device=device)
-    w = torch.tensor([_centred_bspline(order, float(v)) for v in j.tolist()], dtype=dtype, device=device)
-    m = torch.arange(n // 2 + 1 if half else n, dtype=dtype, device=device)
-    b = (w[None, :] * torch.cos(2.0 * math.pi * m[:, None] * j[None, :] / n)).sum(dim=1)
-    return 1.0 / (b * b)
 
 
 def spme_kernel(k_sq: torch.Tensor, alpha: float, volume: torch.Tensor, influence: torch.Tensor) -> torch.Tensor:
@@ -241,9 +196,9 @@ class PME(SplitCoulomb):
     def mesh(self, cell: torch.Tensor) -> list[int]:
         """The mesh used for ``cell``; ``ValueError`` if it would be unreasonably large."""
         sizes = list(self.fixed_mesh) if self.fixed_mesh is not None else mesh_size(cell, self.mesh_spacing, self.order)
-        if math.prod(sizes) > _MAX_MESH_POINTS:
+        if math.prod(sizes) > MAX_MESH_POINTS:
             raise ValueError(
-                f"PME: mesh {sizes} (spacing {self.mesh_spacing:.4g} Å) exceeds {_MAX_MESH_POINTS} points; "
+                f"PME: mesh {sizes} (spacing {self.mesh_spacing:.4g} Å) exceeds {MAX_MESH_POINTS} points; "
                 "raise order (up to 5), loosen accuracy, or pass a larger mesh_spacing"
             )
         return sizes
@@ -256,14 +211,14 @@ class PME(SplitCoulomb):
         step) reuses the cached one.
         """
         cached = self._cached_kernel
-        if cached is not None and not cell.requires_grad and cached[1] is transform and _same(cached[0], cell):
+        if cached is not None and not cell.requires_grad and cached[1] is transform and same_tensor(cached[0], cell):
             return cached[2]
         sizes = transform.sizes
         m0, m1, m2 = transform.frequencies(cell.device)
         reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
         k = m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
-        influence = self._influence_at(m0, m1, m2, sizes, cell.dtype, cell.device)
-        kernel = spme_kernel((k * k).sum(-1), self.alpha, torch.linalg.det(cell).abs(), influence)
+        influence_m = influence(m0, m1, m2, sizes, self.order, cell.dtype, cell.device)
+        kernel = spme_kernel((k * k).sum(-1), self.alpha, torch.linalg.det(cell).abs(), influence_m)
         if not cell.requires_grad:
             self._cached_kernel = (cell.detach().clone(), transform, kernel)
         return kernel
@@ -287,19 +242,12 @@ class PME(SplitCoulomb):
             return bool(thresholds) and math.prod(transform.sizes) >= min(thresholds)
         return self.mesh_mode != "replicated"
 
-    def _influence_at(self, m0: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, sizes, dtype, device) -> torch.Tensor:
-        """``1 / |b(m)|^2`` at the integer frequencies ``m0, m1, m2`` (broadcast)."""
-        b0 = bspline_influence(sizes[0], self.order, False, dtype, device)[m0 % sizes[0]]
-        b1 = bspline_influence(sizes[1], self.order, False, dtype, device)[m1 % sizes[1]]
-        b2 = bspline_influence(sizes[2], self.order, True, dtype, device)[m2]
-        return b0 * b1 * b2
-
     def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
         transform = self._whole_mesh.get(tuple(sizes))
         if transform is None:
             transform = self._whole_mesh[tuple(sizes)] = LocalMeshTransform(sizes)
-        stencil = _Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True)
+        stencil = Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True)
         convolution = _ReplicatedConvolution(transform, view.global_sum)
         return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
 
@@ -307,68 +255,11 @@ class PME(SplitCoulomb):
         self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
-        stencil = _Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order)
+        stencil = Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order)
         boxmap = transform.boxes(stencil.lo, stencil.extent)
         stencil.use_box(boxmap.lo, boxmap.extent)
         convolution = _DistributedConvolution(transform, boxmap)
         return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
-
-
-def _periodic_cover(first: torch.Tensor, n: int, order: int) -> tuple[int, int]:
-    """Shortest periodic interval ``(start, length)`` of an ``n``-point axis holding ``[f, f + order)`` for every ``f``.
-
-    The interval starts after the largest gap between the occupied first
-    points (taken around the circle); if it would cover the axis, the whole axis.
-    """
-    if first.numel() == 0:
-        return 0, 0
-    points = torch.unique(first)  # sorted
-    gaps = torch.diff(points, append=points[:1] + n)  # gap after each point, the last one wrapping around
-    widest = int(torch.argmax(gaps))
-    length = n - int(gaps[widest]) + order
-    if length >= n:
-        return 0, n
-    return int(points[(widest + 1) % points.numel()]), length
-
-
-class _Stencil:
-    """The B-spline support of a set of atoms, as one periodic box of mesh points, and the kernels on it.
-
-    ``lo`` / ``extent`` describe the smallest box (per axis, wrapping
-    periodically) holding every atom's ``order`` support points; an axis the
-    atoms span entirely becomes the whole axis (``whole_mesh``: every axis).
-    Its cost is one sort per axis of the atoms' first support points.
-    """
-
-    def __init__(self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int, whole_mesh: bool = False) -> None:
-        sizes = tuple(int(n) for n in sizes)
-        self.u = mesh_coordinates(positions, cell, sizes)  # differentiable: forces and strain derivative flow through it
-        self.first = support_start(self.u, order)
-        if whole_mesh:
-            self.box = SplineBox(order, sizes)
-        else:
-            first = self.first.long()
-            boxes = [_periodic_cover(first[:, d] % sizes[d], sizes[d], order) for d in range(3)]
-            self.box = SplineBox(order, sizes, tuple(b[0] for b in boxes), tuple(b[1] for b in boxes))
-        self.lo, self.extent = self.box.lo, self.box.extent
-
-    def use_box(self, lo, extent) -> None:
-        """Spread onto / interpolate from a larger box holding this one (a transform's cached, padded box)."""
-        self.box = SplineBox(self.box.order, self.box.sizes, lo, extent)
-        self.lo, self.extent = self.box.lo, self.box.extent
-        check_inside(self.first, self.box)
-
-    def spread(self, q: torch.Tensor) -> torch.Tensor:
-        """The box of mesh charges ``sum_i q_i W_i`` of these atoms (no autograd: see :class:`_ReciprocalShares`)."""
-        return spread_values(self.u, self.first, q, self.box).reshape(self.extent)
-
-    def interpolate(self, box: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A box of mesh values at the atoms ``(N,)`` and its gradient in mesh coordinates ``(N, 3)`` (no autograd)."""
-        return gather_values(self.u, self.first, box, self.box)
 
 
 class _ReplicatedConvolution:
@@ -412,7 +303,7 @@ def _half_spectrum_multiplicity(m2: torch.Tensor, n2: int) -> torch.Tensor:
     return torch.where((m2 == 0) | (2 * m2 == n2), 1, 2)
 
 
-def _reciprocal_shares(u, q, kernel, stencil: _Stencil, convolve, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
+def _reciprocal_shares(u, q, kernel, stencil: Stencil, convolve, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
     """``q_i phi_i / 2`` of the owned atoms (:class:`_ReciprocalShares`) and the total charge ``Q = sum_i q_i``.
 
     The cotangent check's global sum carries ``Q`` too: one small all-reduce
@@ -449,7 +340,7 @@ class _ReciprocalShares(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, u, q, kernel, stencil: _Stencil, convolve):
+    def forward(ctx, u, q, kernel, stencil: Stencil, convolve):
         potential, spectrum, share = convolve(stencil.spread(q), kernel)
         phi, dphi = stencil.interpolate(potential)
         ctx.save_for_backward(q, kernel, phi, dphi, spectrum)

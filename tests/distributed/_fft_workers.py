@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from halopipe.distributed import Comm
 from halopipe.distributed.fft import PencilMeshTransform, SlabMeshTransform
 from halopipe.models.base import ModelOutput
 from halopipe.models.pme import PME
+
+BATCH = 2  # meshes per transform: a batch travels in one message per peer
 
 
 def _full(sizes, seed: int) -> torch.Tensor:
@@ -22,13 +26,13 @@ def _box(rank: int, sizes) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tens
     extent = tuple(int(min(n, v)) for n, v in zip(sizes, torch.randint(1, 9, (3,), generator=g)))
     if rank % 3 == 2:  # one box spans a whole axis
         lo, extent = (0,) + lo[1:], (sizes[0],) + extent[1:]
-    return lo, extent, torch.randn(extent, generator=g, dtype=torch.float64)
+    return lo, extent, torch.randn((BATCH,) + extent, generator=g, dtype=torch.float64)
 
 
 def _reference_loss(full: torch.Tensor, weight: torch.Tensor, kernel: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
-    """A nonlinear functional of the transform and its inverse, on the full mesh with torch.fft."""
-    spec = torch.fft.rfftn(full, dim=(0, 1, 2))
-    back = torch.fft.irfftn(spec * kernel, s=full.shape, dim=(0, 1, 2), norm="forward")
+    """A nonlinear functional of the transform and its inverse, on each full mesh of the batch with torch.fft."""
+    spec = torch.fft.rfftn(full, dim=(-3, -2, -1))
+    back = torch.fft.irfftn(spec * kernel, s=full.shape[-3:], dim=(-3, -2, -1), norm="forward")
     return (weight * spec.abs() ** 2).sum() + (probe * back**2).sum()
 
 
@@ -37,14 +41,14 @@ def _transform(comm: Comm, sizes, grid) -> PencilMeshTransform:
 
 
 def fft_case(sizes, grid=None) -> dict:
-    """Errors of the transform on ``grid`` (slab when None) against torch.fft on the full mesh; its traffic."""
+    """Errors of the transform of a batch of meshes on ``grid`` (slab when None) against torch.fft on the full meshes; its traffic."""
     comm = Comm()
     t = _transform(comm, sizes, grid)
-    full = _full(sizes, 1)
+    full = _full((BATCH,) + tuple(sizes), 1)
     h = sizes[2] // 2 + 1
     weight, kernel, probe = _full((sizes[0], sizes[1], h), 2), _full((sizes[0], sizes[1], h), 3), _full(sizes, 4)
-    k = (slice(None), slice(*t.own_rows), slice(*t.own_k2))  # this rank's k-points
-    x = (slice(*t.own_planes), slice(*t.own_columns))  # this rank's real-space block
+    k = (Ellipsis, slice(None), slice(*t.own_rows), slice(*t.own_k2))  # this rank's k-points
+    x = (Ellipsis, slice(*t.own_planes), slice(*t.own_columns), slice(None))  # this rank's real-space block
 
     block = t.scatter_full(full).clone().requires_grad_(True)
     before = (comm.all_to_all_bytes, comm.messages_sent)
@@ -59,14 +63,14 @@ def fft_case(sizes, grid=None) -> dict:
     ref_full = full.clone().requires_grad_(True)
     ref_loss = _reference_loss(ref_full, weight, kernel, probe)
     (ref_grad,) = torch.autograd.grad(ref_loss, ref_full)
-    ref_spec = torch.fft.rfftn(full, dim=(0, 1, 2))
-    scale = float(ref_spec.abs().max())
+    ref_spec = torch.fft.rfftn(full, dim=(-3, -2, -1))
+    scale, points = float(ref_spec.abs().max()), math.prod(sizes)
     return {
         "grid": t.grid,
         "shape": tuple(spec.shape),
-        "points": block.numel(),
+        "points": block[0].numel(),
         "spectrum": float((spec.detach() - ref_spec[k]).abs().max()) / scale if spec.numel() else 0.0,
-        "roundtrip": float((back_plain.detach() - full[x] * full.numel()).abs().max()) / full.numel() if back_plain.numel() else 0.0,
+        "roundtrip": float((back_plain.detach() - full[x] * points).abs().max()) / points if back_plain.numel() else 0.0,
         "loss_rel": abs(float(total) - float(ref_loss)) / abs(float(ref_loss)),
         "grad_rel": float((grad - ref_grad[x]).abs().max()) / float(ref_grad.abs().max()) if grad.numel() else 0.0,
         "forward_bytes": forward_traffic[0],
@@ -86,8 +90,8 @@ def box_case(sizes, grid=None) -> dict:
     boxmap = t.boxes(lo, extent)
     # The map's box holds the requested one (padded); place the values in it and read the requested points back.
     inner = tuple((torch.arange(extent[k]) + (lo[k] - boxmap.lo[k]) % sizes[k]) % boxmap.extent[k] for k in range(3))
-    inner = (inner[0][:, None, None], inner[1][None, :, None], inner[2][None, None, :])
-    padded = torch.zeros(boxmap.extent, dtype=box.dtype)
+    inner = (torch.arange(BATCH)[:, None, None, None], inner[0][:, None, None], inner[1][None, :, None], inner[2][None, None, :])
+    padded = torch.zeros((BATCH,) + boxmap.extent, dtype=box.dtype)
     padded = padded.index_put(inner, box) if box.numel() else padded
     block = boxmap.to_mesh(padded)
     read = boxmap.from_mesh(block * t.scatter_full(weight))  # collective: every rank calls it
@@ -98,14 +102,15 @@ def box_case(sizes, grid=None) -> dict:
 
     # Reference: every box added into the full periodic mesh, then read back, on one process.
     leaves = [v.clone().requires_grad_(True) for _, _, v in boxes]
-    full = torch.zeros(sizes, dtype=torch.float64)
+    full = torch.zeros((BATCH,) + tuple(sizes), dtype=torch.float64)
     for (blo, bext, _), leaf in zip(boxes, leaves):
         idx = [(blo[k] + torch.arange(bext[k])) % sizes[k] for k in range(3)]
-        full = full.index_put((idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :]), leaf, accumulate=True)
+        points = (torch.arange(BATCH)[:, None, None, None], idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :])
+        full = full.index_put(points, leaf, accumulate=True)
     ref_total = 0.0
     for blo, bext, _ in boxes:
         idx = [(blo[k] + torch.arange(bext[k])) % sizes[k] for k in range(3)]
-        ref_total = ref_total + ((full * weight)[idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :]] ** 2).sum()
+        ref_total = ref_total + ((full * weight)[:, idx[0][:, None, None], idx[1][None, :, None], idx[2][None, None, :]] ** 2).sum()
     ref_grad = torch.autograd.grad(ref_total, leaves)[comm.rank]
     shifted = tuple(v + 1 for v in lo)  # the atoms moved by a mesh point: the padded map still holds every box
     return {

@@ -1,6 +1,7 @@
 """The slab and pencil FFTs and the box <-> block maps against torch.fft and a full-mesh sum.
 
-Mesh sizes are chosen so that no axis divides evenly by the process grid;
+Each transform and box map carries a batch of ``BATCH`` meshes (a model's
+channels), in the messages of one. Mesh sizes are chosen so that no axis divides evenly by the process grid;
 some grids have more rows than the mesh's first axis, so ranks hold nothing
 (the slab on 4 ranks with ``n0 = 3``, the 4 x 2 pencil grid with ``n0 = 3``),
 and on 8 ranks the pencil runs where the slab cannot balance (``P > n0``).
@@ -18,7 +19,7 @@ from halopipe.distributed import Comm
 from halopipe.distributed.fft import PencilMeshTransform, choose_grid, grid_cost
 from halopipe.distributed.launch import spawn
 
-from ._fft_workers import pencil_failure, run_fft_cases, split_case
+from ._fft_workers import BATCH, pencil_failure, run_fft_cases, split_case
 
 # (mesh sizes, process grid (Pr, Pc); None: SlabMeshTransform)
 CASES = {
@@ -54,8 +55,9 @@ def test_distributed_fft_equals_full_mesh_fft(world_size):
             # A rank talks to its grid row and column only, and holds at most its balanced block.
             assert r["forward_messages"] <= grid[0] + grid[1] - 2, (label, r)
             assert r["points"] <= math.ceil(sizes[0] / grid[0]) * math.ceil(sizes[1] / grid[1]) * sizes[2], (label, r)
+        # A batch of meshes moves in the messages of one mesh, each BATCH times the bytes.
         expected = grid_cost(sizes, grid)
-        assert max(r["forward_bytes"] for r in ffts) == expected["bytes"], (world_size, sizes, grid)
+        assert max(r["forward_bytes"] for r in ffts) == BATCH * expected["bytes"], (world_size, sizes, grid)
         assert max(r["forward_messages"] for r in ffts) == expected["messages"], (world_size, sizes, grid)
 
 

@@ -74,11 +74,11 @@ def test_box_stencil_path_equals_whole_mesh_path(order, sizes):
 
 def test_atoms_in_a_corner_use_a_small_box():
     """Atoms clustered near one mesh corner spread onto a box much smaller than the mesh (memory O(box))."""
-    from halopipe.models.pme import _Stencil
+    from halopipe.models.particle_mesh import Stencil
 
     cell = torch.eye(3, dtype=torch.float64) * 20.0
     positions = torch.tensor([[0.5, 0.5, 0.5], [19.6, 1.0, 0.2], [1.5, 19.0, 19.9]], dtype=torch.float64)
-    stencil = _Stencil(cell, positions, (40, 40, 40), 4)
+    stencil = Stencil(cell, positions, (40, 40, 40), 4)
     assert all(e <= 8 for e in stencil.extent), stencil.extent  # 2 Å of atoms (4 points) plus the 4-point support
 
 
