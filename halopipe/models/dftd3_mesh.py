@@ -83,11 +83,11 @@ from ..kernels.dftd3 import (
     lattice_kernel_available,
     sparse_chain_capacity,
 )
-from ..kernels.mesh import interpolate_mesh, spread_charges
+from ..kernels.mesh import gather_values, spread_values
 from ..meshfft import LocalMeshTransform, MeshTransform
 from .base import LocalView, ModelOutput, check_positive_length
 from .dftd3 import _C6, DEFAULT_ATM_CUTOFF, DEFAULT_CN_CUTOFF, DFTD3, K1, K3, MAX_Z, coordination_numbers
-from .particle_mesh import MAX_MESH_POINTS, Stencil, influence, mesh_size, same_tensor
+from .particle_mesh import MAX_MESH_POINTS, CotangentCheck, Stencil, half_spectrum_multiplicity, influence, mesh_size, same_tensor
 
 __all__ = ["DFTD3Mesh", "C6Decomposition", "decompose_c6", "bj_fourier_transform", "default_d3_mesh_spacing", "mesh_error_estimate"]
 
@@ -522,8 +522,8 @@ class DFTD3Mesh(DFTD3):
     def _two_body_mesh(self, view: LocalView, cn: torch.Tensor, species: tuple[int, ...]) -> torch.Tensor:
         """Owned atoms' two-body energies from the mesh (see the module docstring)."""
         dtype, device, n = view.positions.dtype, view.positions.device, view.n_owned
-        if not species:  # no atom anywhere: still on the CNs' graph, so that every rank runs their backward's collectives
-            return 0.0 * cn
+        if not species:  # no atom anywhere: the same collectives as with atoms, on the CNs' graph, so that peers never wait
+            return CotangentCheck.apply(0.0 * cn, view.global_sum((0.0 * cn).sum().reshape(1)))
         dec = self.decompose(species)
         self.decomposition = dec
         numbers = view.numbers[:n]
@@ -544,27 +544,10 @@ class DFTD3Mesh(DFTD3):
         if not local:
             boxmap = transform.boxes(stencil.lo, stencil.extent)
             stencil.use_box(boxmap.lo, boxmap.extent)
-        box, u, first = stencil.box, stencil.u, stencil.first
-        n_species, rank = len(species), dec.rank
-
-        # One channel per (l, s): the atoms of s spread c_il.
-        members = [torch.nonzero(sidx == s).squeeze(1) for s in range(n_species)]  # a loop over species, not atoms
-        channels = [spread_charges(u[atoms], c[atoms, slot], first[atoms], box) for slot in range(rank) for atoms in members]
+        channels = _Channels(stencil, sidx, len(species), lam, transform, boxmap)
         kernel = self._kernel(view.cell, transform, species)  # (S, S, k...)
-        # All channels in one batch: one FFT, one message per peer and transpose for the lot.
-        boxes = torch.stack(channels)
-        spectra = transform.forward(boxes if boxmap is None else boxmap.to_mesh(boxes))  # (L * S, k...)
-        spectra = spectra.reshape((rank, n_species) + tuple(spectra.shape[1:]))
-        potentials = torch.einsum("st...,lt...->ls...", kernel.to(spectra.dtype), spectra)
-        mesh = transform.inverse(potentials.reshape((rank * n_species,) + tuple(potentials.shape[2:])))
-        mesh = mesh if boxmap is None else boxmap.from_mesh(mesh)
-
-        phi = u.new_zeros(n, rank)
-        for s in range(n_species):
-            atoms = members[s]
-            values = torch.stack([interpolate_mesh(u[atoms], mesh[slot * n_species + s], first[atoms], box) for slot in range(rank)], dim=1)
-            phi = phi.index_put((atoms,), values)
-        energies = 0.5 * (lam * c * phi).sum(dim=1)
+        pair_energies, not_summed = _MeshDispersion.apply(stencil.u, c, kernel, channels)
+        energies = CotangentCheck.apply(pair_energies, view.global_sum(not_summed))
         # Subtract each atom's r = 0 term, phi_ss(0) C6_ii / 2, which the k-sum includes.
         r0, qq = self.pair_tables(species, dtype, device)
         p = self.params
@@ -572,3 +555,92 @@ class DFTD3Mesh(DFTD3):
         at_zero = -(p["s6"] / diag_r0**6 + p["s8"] * diag_qq / diag_r0**8)
         c6_self = (lam * c * c).sum(dim=1)
         return energies - 0.5 * c6_self * at_zero[sidx]
+
+
+# ------------------------------------------------------------------ mesh channels
+class _Channels:
+    """The ``L x S`` mesh channels of one evaluation: spread, convolve (batched, maybe distributed), interpolate (no autograd).
+
+    Channel ``l * S + s`` carries ``rho_ls = sum_{i in s} v_il W_i`` for per-atom
+    values ``v`` ``(n, L)``; the convolution mixes the channels of one rank
+    slot by the kernel, ``phi_ls = sum_t G_st * rho_lt``.
+    """
+
+    def __init__(self, stencil: Stencil, species_index: torch.Tensor, n_species: int, lam: torch.Tensor, transform, boxmap) -> None:
+        self.stencil, self.lam, self.transform, self.boxmap = stencil, lam, transform, boxmap
+        self.n_species, self.rank = n_species, lam.numel()
+        self.members = [torch.nonzero(species_index == s).squeeze(1) for s in range(n_species)]  # a loop over species, not atoms
+        self.multiplicity = half_spectrum_multiplicity(transform.frequencies(lam.device)[2], transform.sizes[2])
+
+    def spread(self, values: torch.Tensor) -> torch.Tensor:
+        """Boxes ``(L * S, *extent)`` of the atoms' ``values`` ``(n, L)``, each atom on its element's channels."""
+        st = self.stencil
+        boxes = [
+            spread_values(st.u[atoms], st.first[atoms], values[atoms, slot], st.box) for slot in range(self.rank) for atoms in self.members
+        ]
+        return torch.stack(boxes).reshape((len(boxes),) + tuple(st.extent))
+
+    def convolve(self, boxes: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Potential boxes ``(L * S, *extent)`` and the spectra ``(L, S, k...)`` of ``boxes``: one batched transform each way."""
+        spectra = self.transform.forward(boxes if self.boxmap is None else self.boxmap.to_mesh(boxes))
+        spectra = spectra.reshape((self.rank, self.n_species) + tuple(spectra.shape[1:]))
+        potentials = torch.einsum("st...,lt...->ls...", kernel.to(spectra.dtype), spectra)
+        mesh = self.transform.inverse(potentials.reshape((-1,) + tuple(potentials.shape[2:])))
+        return (mesh if self.boxmap is None else self.boxmap.from_mesh(mesh)), spectra
+
+    def interpolate(self, potentials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each atom's channels of its element: values ``(n, L)`` and their ``u``-gradients ``(n, L, 3)``."""
+        st = self.stencil
+        n = st.u.shape[0]
+        phi, dphi = st.u.new_zeros(n, self.rank), st.u.new_zeros(n, self.rank, 3)
+        for slot in range(self.rank):
+            for s, atoms in enumerate(self.members):
+                mesh = potentials[slot * self.n_species + s]
+                phi[atoms, slot], dphi[atoms, slot] = gather_values(st.u[atoms], st.first[atoms], mesh, st.box)
+        return phi, dphi
+
+    def kernel_gradient(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """``w(k) sum_l lambda_l Re[conj(left_ls) right_lt]`` (S, S, k...): the rFFT k-points this process owns, each once."""
+        lam = self.lam.reshape((-1,) + (1,) * (left.dim() - 1)).to(left.real.dtype)
+        return torch.einsum("ls...,lt...->st...", (lam * left).conj(), right).real * self.multiplicity
+
+
+class _MeshDispersion(torch.autograd.Function):
+    """Owned atoms' mesh pair energies ``1/2 sum_l lambda_l c_il phi_l,s_i(r_i)``; the backward reuses the forward's potentials.
+
+    As PME's reciprocal energy, the mesh energy is quadratic in the channel
+    meshes and its kernel symmetric (``G_st = G_ts``, even in ``k``), so when
+    every cotangent is 1 (checked globally by
+    :class:`~halopipe.models.particle_mesh.CotangentCheck`) the gradient
+    needs no FFT and moves no mesh: ``dE/dc_il = lambda_l phi_il``,
+    ``dE/du_i = sum_l lambda_l c_il grad phi_il``, ``dE/dG_st(k) = 1/2 w(k)
+    sum_l lambda_l Re[conj(S_ls) S_lt]``. Otherwise (per-atom weights ``g``)
+    the cotangent meshes ``m_ls = sum_{i in s} g_i c_il W_i / 2`` go through
+    the same convolution once: ``dL/dc_il = lambda_l (g_i phi_il / 2 + psi_il)``.
+    Each process owns its k-points, so the kernel gradient is all its own.
+    """
+
+    @staticmethod
+    def forward(ctx, u, c, kernel, channels: _Channels):
+        potentials, spectra = channels.convolve(channels.spread(c), kernel)
+        phi, dphi = channels.interpolate(potentials)
+        ctx.save_for_backward(c, kernel, phi, dphi, spectra)
+        ctx.channels = channels
+        return 0.5 * (channels.lam * c * phi).sum(dim=1), u.new_zeros(1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor, ranks_not_summed: torch.Tensor | None):
+        c, kernel, phi, dphi, spectra = ctx.saved_tensors
+        channels, lam = ctx.channels, ctx.channels.lam
+        if ranks_not_summed is None or float(ranks_not_summed[0]) == 0.0:  # every rank's cotangent is 1
+            grad_c, grad_u = lam * phi, torch.einsum("l,il,ilk->ik", lam, c, dphi)
+            cotangent_spectra = 0.5 * spectra
+        else:
+            weighted = 0.5 * grad[:, None] * c
+            potentials, cotangent_spectra = channels.convolve(channels.spread(weighted), kernel)
+            psi, dpsi = channels.interpolate(potentials)
+            grad_c = lam * (0.5 * grad[:, None] * phi + psi)
+            grad_u = torch.einsum("l,il,ilk->ik", lam, c, 0.5 * grad[:, None, None] * dphi + dpsi)
+        grad_kernel = channels.kernel_gradient(cotangent_spectra, spectra).to(kernel.dtype) if ctx.needs_input_grad[2] else None
+        return grad_u if ctx.needs_input_grad[0] else None, grad_c if ctx.needs_input_grad[1] else None, grad_kernel, None

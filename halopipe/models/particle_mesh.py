@@ -18,7 +18,17 @@ import torch
 
 from ..kernels.mesh import SplineBox, check_inside, gather_values, mesh_coordinates, spread_values, support_start
 
-__all__ = ["MAX_MESH_POINTS", "smooth_size", "mesh_size", "bspline_influence", "influence", "same_tensor", "Stencil"]
+__all__ = [
+    "MAX_MESH_POINTS",
+    "smooth_size",
+    "mesh_size",
+    "bspline_influence",
+    "influence",
+    "half_spectrum_multiplicity",
+    "same_tensor",
+    "Stencil",
+    "CotangentCheck",
+]
 
 MAX_MESH_POINTS = 1 << 26  # 0.5 GiB per float64 mesh: beyond it, ask for a coarser setting
 
@@ -131,3 +141,29 @@ class Stencil:
     def interpolate(self, box: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A box of mesh values at the atoms ``(N,)`` and its gradient in mesh coordinates ``(N, 3)`` (no autograd)."""
         return gather_values(self.u, self.first, box, self.box)
+
+
+def half_spectrum_multiplicity(m2: torch.Tensor, n2: int) -> torch.Tensor:
+    """How many k-points of the full spectrum each rFFT k-point stands for: 1 on the ``m2 = 0`` and Nyquist planes, else 2."""
+    return torch.where((m2 == 0) | (2 * m2 == n2), 1, 2)
+
+
+class CotangentCheck(torch.autograd.Function):
+    """Identity on the energies; its backward reports whether this rank's cotangent is not all ones.
+
+    A particle-mesh energy is quadratic in the mesh values with a symmetric
+    kernel, so when every atom's energy has cotangent 1 (a pipeline's summed
+    energy) its backward needs no FFT (:class:`~halopipe.models.pme.PME`'s
+    ``_ReciprocalShares``). The second input is a zero that went through a
+    global sum; this backward sends "my cotangent is not all ones" (0 or 1)
+    back through it, so every rank's mesh backward sees the same sum and takes
+    the same branch.
+    """
+
+    @staticmethod
+    def forward(ctx, energies, ranks_not_summed):
+        return energies.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad.new_tensor([float(grad.numel() > 0 and not bool((grad == 1).all()))])

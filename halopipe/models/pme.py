@@ -72,7 +72,16 @@ from ..meshfft import LocalMeshTransform, MeshTransform
 from .base import LocalView, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 from .ewald import SplitCoulomb, accuracy_exponent
-from .particle_mesh import MAX_MESH_POINTS, Stencil, bspline_influence, influence, mesh_size, same_tensor
+from .particle_mesh import (
+    MAX_MESH_POINTS,
+    CotangentCheck,
+    Stencil,
+    bspline_influence,
+    half_spectrum_multiplicity,
+    influence,
+    mesh_size,
+    same_tensor,
+)
 
 __all__ = ["PME", "mesh_size", "default_mesh_spacing", "bspline_influence"]
 
@@ -274,7 +283,7 @@ class _ReplicatedConvolution:
     def __init__(self, transform: LocalMeshTransform, global_sum) -> None:
         self.transform, self.global_sum = transform, global_sum
         m2 = transform.frequencies()[2]
-        self.multiplicity = _half_spectrum_multiplicity(m2, transform.sizes[2])
+        self.multiplicity = half_spectrum_multiplicity(m2, transform.sizes[2])
 
     def __call__(self, box: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         summed = self.global_sum(torch.cat([box.reshape(-1), box.new_ones(1)]))
@@ -291,16 +300,11 @@ class _DistributedConvolution:
     def __init__(self, transform: MeshTransform, boxmap) -> None:
         self.transform, self.boxmap = transform, boxmap
         m2 = transform.frequencies()[2]
-        self.multiplicity = _half_spectrum_multiplicity(m2, transform.sizes[2])
+        self.multiplicity = half_spectrum_multiplicity(m2, transform.sizes[2])
 
     def __call__(self, box: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         spectrum = self.transform.forward(self.boxmap.to_mesh(box))
         return self.boxmap.from_mesh(self.transform.inverse(spectrum * kernel)), spectrum, 1.0
-
-
-def _half_spectrum_multiplicity(m2: torch.Tensor, n2: int) -> torch.Tensor:
-    """How many k-points of the full spectrum each rFFT k-point stands for: 1 on the ``m2 = 0`` and Nyquist planes, else 2."""
-    return torch.where((m2 == 0) | (2 * m2 == n2), 1, 2)
 
 
 def _reciprocal_shares(u, q, kernel, stencil: Stencil, convolve, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +315,7 @@ def _reciprocal_shares(u, q, kernel, stencil: Stencil, convolve, global_sum) -> 
     """
     energies, not_summed = _ReciprocalShares.apply(u, q, kernel, stencil, convolve)
     summed = global_sum(torch.cat([not_summed, q.sum().reshape(1)]))
-    return _CotangentCheck.apply(energies, summed[:1]), summed[1]
+    return CotangentCheck.apply(energies, summed[:1]), summed[1]
 
 
 class _ReciprocalShares(torch.autograd.Function):
@@ -330,7 +334,7 @@ class _ReciprocalShares(torch.autograd.Function):
 
     So the backward needs no FFT and no mesh communication. Whether every
     cotangent is 1 is a global fact: the second output, a zero, goes through
-    ``global_sum`` to :class:`_CotangentCheck`, whose backward sends back
+    ``global_sum`` to :class:`CotangentCheck`, whose backward sends back
     "my cotangent is not all ones" (0 or 1); summed over ranks on its way
     back, it reaches this backward as the gradient of that output, so every
     rank takes the same branch. Otherwise (per-atom weights ``g_i``) the
@@ -364,15 +368,3 @@ class _ReciprocalShares(torch.autograd.Function):
         if ctx.needs_input_grad[2]:  # dL/dG(k) = w(k) Re[S(k) conj(M(k))], this rank's share
             grad_kernel = (spectrum * cotangent_spectrum.conj()).real * ctx.convolve.multiplicity * ctx.share
         return grad_u if ctx.needs_input_grad[0] else None, grad_q if ctx.needs_input_grad[1] else None, grad_kernel, None, None
-
-
-class _CotangentCheck(torch.autograd.Function):
-    """Identity on the energies; its backward reports whether this rank's cotangent is not all ones (see :class:`_ReciprocalShares`)."""
-
-    @staticmethod
-    def forward(ctx, energies, ranks_not_summed):
-        return energies.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, grad.new_tensor([float(grad.numel() > 0 and not bool((grad == 1).all()))])
