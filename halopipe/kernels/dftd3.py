@@ -162,13 +162,15 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
     ref_weights = inputs.get("ref_weights", torch.zeros(0, 1, dtype=dtype, device=device))
     v = inputs.get("v", torch.zeros(0, 1, 1, dtype=dtype, device=device))
     kept = (owned.numel(), inputs.get("capacity", n)) if "pairs" in want else (0, 0)  # a (thread, partner or slot) table
+    # A dense table is summed whole, so it starts at zero; sparse slots are read only up to each thread's count.
+    pair_table = torch.empty if "capacity" in inputs else torch.zeros
     outputs = {
         "cn": torch.zeros(rows("cn"), dtype=dtype, device=device),
         "energies": torch.zeros(rows("energies"), dtype=dtype, device=device),
         "forces": torch.zeros(rows("forces"), 3, dtype=dtype, device=device),
         "u": torch.zeros_like(v) if "u" in want else torch.zeros(0, 1, 1, dtype=dtype, device=device),
         "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
-        "pair_grad": torch.zeros(*kept, 3, dtype=dtype, device=device),
+        "pair_grad": pair_table(*kept, 3, dtype=dtype, device=device),
         "pair_outer": torch.zeros(*(kept if virial else (0, 0)), 3, 3, dtype=dtype, device=device),
     }
     args = [owned, *cells.kernel_inputs(), species]
@@ -256,8 +258,8 @@ def lattice_coordination_numbers(
     inputs = {"rcov": rcov, "k1": k1, "want": ("cn", "pairs") if keep else ("cn",)}
     if sparse:
         n = owned.numel()
-        lists = {
-            "atom": torch.zeros(n * capacity, dtype=torch.int32, device=rcov.device),
+        lists = {  # slots past a thread's count are never read: no need to clear them (hundreds of MB on large cells)
+            "atom": torch.empty(n * capacity, dtype=torch.int32, device=rcov.device),
             "count": torch.zeros(n, dtype=torch.int32, device=rcov.device),
         }
         inputs.update(capacity=int(capacity), neighbours=lists)
