@@ -138,7 +138,9 @@ def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[i
     me = comm.rank
     split_axis, gather_axis = split_axis + x.dim() - 3, gather_axis + x.dim() - 3  # after any batch axes
     pieces = torch.split(torch.view_as_real(x), split_sizes, dim=split_axis)
-    send = torch.cat([p.reshape(-1) for p in pieces])  # grouped by destination
+    send = x.real.new_empty(sum(p.numel() for p in pieces))  # grouped by destination, each piece copied once
+    for piece, start in zip(pieces, _starts([p.numel() for p in pieces])):
+        send[start : start + piece.numel()].view(piece.shape).copy_(piece)
     shapes = []
     for held in gather_sizes:
         shape = list(x.shape) + [2]

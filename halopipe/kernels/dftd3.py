@@ -30,6 +30,7 @@ __all__ = [
     "LatticeCells",
     "keeps_chain_terms",
     "keeps_sparse_chain_terms",
+    "ScratchPool",
     "lattice_atm",
     "lattice_cells",
     "lattice_cn_chain",
@@ -162,15 +163,14 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
     ref_weights = inputs.get("ref_weights", torch.zeros(0, 1, dtype=dtype, device=device))
     v = inputs.get("v", torch.zeros(0, 1, 1, dtype=dtype, device=device))
     kept = (owned.numel(), inputs.get("capacity", n)) if "pairs" in want else (0, 0)  # a (thread, partner or slot) table
-    # A dense table is summed whole, so it starts at zero; sparse slots are read only up to each thread's count.
-    pair_table = torch.empty if "capacity" in inputs else torch.zeros
     outputs = {
         "cn": torch.zeros(rows("cn"), dtype=dtype, device=device),
         "energies": torch.zeros(rows("energies"), dtype=dtype, device=device),
         "forces": torch.zeros(rows("forces"), 3, dtype=dtype, device=device),
         "u": torch.zeros_like(v) if "u" in want else torch.zeros(0, 1, 1, dtype=dtype, device=device),
         "vir": torch.zeros(owned.numel() if virial else 0, 3, 3, dtype=dtype, device=device),
-        "pair_grad": pair_table(*kept, 3, dtype=dtype, device=device),
+        # a dense table is summed whole, so it starts at zero; sparse slots (given) are read up to each thread's count
+        "pair_grad": inputs["pair_grad"] if "pair_grad" in inputs else torch.zeros(*kept, 3, dtype=dtype, device=device),
         "pair_outer": torch.zeros(*(kept if virial else (0, 0)), 3, 3, dtype=dtype, device=device),
     }
     args = [owned, *cells.kernel_inputs(), species]
@@ -190,6 +190,34 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
         launch(warp_kernel(name, "_warp_d3"), owned.numel(), device, args, outs)
     outputs["vir"] = outputs["vir"].sum(dim=0) if virial else None
     return outputs
+
+
+class ScratchPool:
+    """Large scratch tensors kept between calls and handed out again, instead of allocated afresh.
+
+    Hundreds of megabytes allocated anew on every call are mapped anew by the
+    C allocator (glibc returns blocks beyond 32 MB to the system) and each page
+    faults at its first write: on Si 4,096 that was 0.04 s of a 0.32 s D3
+    evaluation, and more on two ranks sharing the memory bus. A tensor given
+    back (:meth:`give`) once its contents are used goes to the next
+    :meth:`take` of its shape; one still in use is never handed out twice.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """An uninitialised tensor of ``shape``: a given-back one if any, else a new one."""
+        free = self._free.get((tuple(shape), dtype, torch.device(device)))
+        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+
+    def give(self, *tensors: torch.Tensor) -> None:
+        """Hand ``tensors`` back for reuse (their contents are no longer needed); at most ``keep`` per shape."""
+        for t in tensors:
+            free = self._free.setdefault((tuple(t.shape), t.dtype, t.device), [])
+            if len(free) < self.keep:
+                free.append(t)
 
 
 CHAIN_STORE_BYTES = 64 << 20
@@ -240,6 +268,7 @@ def lattice_coordination_numbers(
     keep: bool = False,
     virial: bool = False,
     capacity: int | None = None,
+    pool: ScratchPool | None = None,
 ) -> tuple[torch.Tensor, tuple | None]:
     """This rank's share of every atom's D3 coordination number, (N,): the pairs its ``owned`` threads take.
 
@@ -249,7 +278,8 @@ def lattice_coordination_numbers(
     (with their virial part when ``virial``), or with ``capacity`` the threads'
     partners in ``capacity`` slots each, without the virial part
     (:func:`sparse_chain_capacity`; None is returned instead when a thread has
-    more partners, and the chain walks again).
+    more partners, and the chain walks again). The slots come from ``pool``
+    (give them back after :func:`lattice_cn_chain`).
     """
     species = torch.zeros(cells.positions.shape[0], dtype=torch.int32, device=rcov.device)
     sparse = keep and capacity is not None
@@ -258,17 +288,19 @@ def lattice_coordination_numbers(
     inputs = {"rcov": rcov, "k1": k1, "want": ("cn", "pairs") if keep else ("cn",)}
     if sparse:
         n = owned.numel()
+        pool = pool or ScratchPool()
         lists = {  # slots past a thread's count are never read: no need to clear them (hundreds of MB on large cells)
-            "atom": torch.empty(n * capacity, dtype=torch.int32, device=rcov.device),
+            "atom": pool.take((n * capacity,), torch.int32, rcov.device),
             "count": torch.zeros(n, dtype=torch.int32, device=rcov.device),
         }
-        inputs.update(capacity=int(capacity), neighbours=lists)
+        inputs.update(capacity=int(capacity), neighbours=lists, pair_grad=pool.take((n, capacity, 3), rcov.dtype, rcov.device))
     out = _lattice_launch(name, owned, cells, species, inputs, stored_virial)
     if not keep:
         return out["cn"], None
     if not sparse:
         return out["cn"], (out["pair_grad"], out["pair_outer"] if virial else None)
-    if n and int(lists["count"].max()) > capacity:
+    if n and int(lists["count"].max()) > capacity:  # a thread overflowed its slots: the chain walks again
+        pool.give(out["pair_grad"], lists["atom"])
         return out["cn"], None
     return out["cn"], (out["pair_grad"], None, lists["atom"], lists["count"])
 

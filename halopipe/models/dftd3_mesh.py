@@ -75,6 +75,7 @@ import torch
 from ase import units
 
 from ..kernels.dftd3 import (
+    ScratchPool,
     keeps_chain_terms,
     keeps_sparse_chain_terms,
     lattice_cells,
@@ -271,19 +272,21 @@ class _LatticeCoordinationNumbers(torch.autograd.Function):
         if keep and not keeps_chain_terms(n, view.n_total):
             capacity = sparse_chain_capacity(view.n_total, float(torch.linalg.det(cell.detach()).abs()), model.cn_cutoff)
             keep = keeps_sparse_chain_terms(n, capacity)
-        share, kept = lattice_coordination_numbers(threads, cells, rcov, K1, keep, virial, capacity if keep else None)
-        ctx.state = (view, cells, threads, rcov, kept, virial)
+        share, kept = lattice_coordination_numbers(threads, cells, rcov, K1, keep, virial, capacity if keep else None, model.scratch)
+        ctx.state = (view, cells, threads, rcov, kept, virial, model)
         ctx.save_for_backward(rows.detach().to(f64), cell.detach().to(f64))
         return view.global_sum(share)[owned].to(rows.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        view, cells, threads, rcov, kept, virial = ctx.state
+        view, cells, threads, rcov, kept, virial, model = ctx.state
         rows, cell = ctx.saved_tensors
         owned = threads.long()
         cn_grad = view.global_sum(rows.new_zeros(view.n_total).index_copy(0, owned, grad.to(rows.dtype)))
         share, chain_virial = lattice_cn_chain(threads, cells, rcov, K1, cn_grad, virial, kept)
+        if kept is not None and len(kept) == 4:  # the sparse slots, read: the next walk may fill them
+            model.scratch.give(kept[0], kept[2])
         forces = view.global_sum(share)[owned]
         grad_cell = torch.linalg.solve(cell.T, chain_virial + rows.T @ forces).to(grad.dtype) if ctx.needs_input_grad[1] else None
         return (-forces).to(grad.dtype), grad_cell, None, None
@@ -375,6 +378,7 @@ class DFTD3Mesh(DFTD3):
         self.decomposition: C6Decomposition | None = None
         self._decompositions: dict[tuple[int, ...], C6Decomposition] = {}
         self._cached_kernel: tuple | None = None
+        self.scratch = ScratchPool()  # the CN walk's chain slots, reused from step to step
 
     # ------------------------------------------------------------ contract
     @property
