@@ -32,7 +32,7 @@ untimed. Ratio column: seconds over halopipe's one-process seconds for the same 
     python benchmarks/d3_mesh.py --scaling --sizes 512 4096 32768 --plot docs/d3_mesh_scaling.png
 
 ``--scaling``: halopipe alone (1 process, and 2 ranks unless ``--nproc 1``) over
-``--sizes`` of Si, written to a CSV next to ``--plot`` (a PNG of seconds vs atoms
+``--sizes`` of each of ``--kinds`` (Si, MgO), written to a CSV next to ``--plot`` (a PNG of seconds vs atoms
 with an N log N guide, when matplotlib imports).
 """
 
@@ -284,12 +284,14 @@ def side_by_side(args) -> None:
 
 def scaling(args) -> None:
     rows = []
-    for n in args.sizes:
-        row = {"atoms": n}
-        for p in args.nproc:
-            row[f"seconds_{p}"] = min(halopipe_case(f"si-{n}", args.accuracy, args.repeats, p)["seconds"] for _ in range(args.rounds))
-        rows.append(row)
-        print(row, flush=True)
+    for kind in args.kinds:
+        for n in args.sizes:
+            row = {"case": f"{kind}-{n}", "atoms": n}
+            for p in args.nproc:
+                runs = [halopipe_case(f"{kind}-{n}", args.accuracy, args.repeats, p) for _ in range(args.rounds)]
+                row[f"seconds_{p}"] = min(run["seconds"] for run in runs)
+            rows.append(row)
+            print(row, flush=True)
     out = Path(args.plot)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -304,18 +306,21 @@ def scaling(args) -> None:
     except ImportError:
         print(f"matplotlib does not import: wrote {out.with_suffix('.csv')} only")
         return
-    atoms = np.array([r["atoms"] for r in rows], dtype=float)
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for p in args.nproc:
-        seconds = np.array([r[f"seconds_{p}"] for r in rows])
-        ax.loglog(atoms, seconds, "o-", label=f"DFTD3Mesh, {p} rank{'s' if p > 1 else ''}")
-    first = rows[0][f"seconds_{args.nproc[0]}"]
-    guide = first * atoms * np.log(atoms) / (atoms[0] * np.log(atoms[0]))
-    ax.loglog(atoms, guide, "k--", lw=1, label="N log N")
-    ax.set_xlabel("atoms (rattled diamond Si)")
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    names = {"si": "diamond Si", "mgo": "rock-salt MgO"}
+    for kind, marker in zip(args.kinds, "os^v"):
+        mine = [r for r in rows if r["case"].startswith(kind + "-")]
+        atoms = np.array([r["atoms"] for r in mine], dtype=float)
+        for p, style in zip(args.nproc, ("-", ":", "-.")):
+            seconds = np.array([r[f"seconds_{p}"] for r in mine])
+            ax.loglog(atoms, seconds, marker + style, label=f"{names.get(kind, kind)}, {p} rank{'s' if p > 1 else ''}")
+        if kind == args.kinds[0]:
+            first = mine[0][f"seconds_{args.nproc[0]}"]
+            ax.loglog(atoms, first * atoms * np.log(atoms) / (atoms[0] * np.log(atoms[0])), "k--", lw=1, label="N log N")
+    ax.set_xlabel("atoms (rattled crystals)")
     ax.set_ylabel("seconds per energy + forces")
     ax.set_title(f"D3(BJ) by particle mesh, accuracy {args.accuracy:g}, 1 thread/rank", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=150)
     print(f"wrote {out} and {out.with_suffix('.csv')}")
@@ -338,6 +343,7 @@ def main(argv=None) -> int:
     parser.add_argument("--nv-cn-cutoff", type=float, default=CN_CUTOFF_BOHR, help="nvalchemi CN list cutoff, bohr")
     parser.add_argument("--scaling", action="store_true", help="halopipe time vs N over --sizes: CSV and PNG at --plot")
     parser.add_argument("--plot", default="d3_mesh_scaling.png", help="PNG path of --scaling (the CSV goes next to it)")
+    parser.add_argument("--kinds", nargs="+", default=["si", "mgo"], help="--scaling: crystals, si and/or mgo (8 n^3 atoms each)")
     parser.add_argument("--nvalchemi-worker", metavar="NPZ", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.nvalchemi_worker:

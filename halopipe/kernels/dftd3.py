@@ -246,8 +246,15 @@ def sparse_chain_capacity(n_atoms: int, volume: float, cutoff: float) -> int:
     return int(min(1.5 * expected + 64, n_atoms))
 
 
-SPARSE_CHAIN_STORE_BYTES = 256 << 20
-"""Memory the coordination-number walk may fill with its partners' chain terms in slots (:func:`keeps_sparse_chain_terms`)."""
+SPARSE_CHAIN_STORE_BYTES = 1536 << 20
+"""Memory the coordination-number walk may fill with its partners' chain terms in slots (:func:`keeps_sparse_chain_terms`).
+
+About 28 bytes x 1,000 partners per owned atom of a solid at the 40 bohr CN
+cutoff: 1.5 GiB holds 32,768 Si atoms on one process (each rank holds its
+owned atoms' share). Beyond it the chain walks a second time, which nearly
+doubles the coordination-number cost (Si 13,824 on one process: 2.16 s at a
+256 MiB budget, docs/benchmarks.md).
+"""
 
 
 def keeps_sparse_chain_terms(n_threads: int, capacity: int) -> bool:
