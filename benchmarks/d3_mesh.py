@@ -91,11 +91,12 @@ def halopipe_worker(case: str, accuracy: float, repeats: int) -> dict:
     """One rank (or the one process): scatter the case, one untimed call, then the best of ``repeats`` E+F calls."""
     import torch.distributed as dist
 
-    from halopipe import Group, Pipeline, Step, System
+    from halopipe import Group, Pipeline, Step, System, keep_freed_memory
     from halopipe.distributed import ShardedSystem
     from halopipe.models.dftd3_mesh import DFTD3Mesh
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # as halopipe's launcher does in every rank, so the one-process row runs under the same policy
     model = DFTD3Mesh(FUNCTIONAL, accuracy=accuracy)
     pipeline = Pipeline([Group([Step(model)], autograd=True)])
     if dist.is_initialized():

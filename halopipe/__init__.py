@@ -38,6 +38,7 @@ _NAMES_BY_MODULE = {
     "halopipe.ase": ["Calculator"],
     "halopipe.distributed": ["ShardedSystem", "DistributedError"],
     "halopipe.distributed.launch": ["spawn", "SpawnError"],
+    "halopipe.allocator": ["keep_freed_memory"],
     "halopipe.dynamics": [
         "Simulation",
         "VelocityVerlet",
@@ -81,6 +82,7 @@ __all__ = [
     "DistributedError",
     "spawn",
     "SpawnError",
+    "keep_freed_memory",
     "Simulation",
     "VelocityVerlet",
     "Langevin",
@@ -95,6 +97,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # static tools see the eager imports
+    from .allocator import keep_freed_memory
     from .ase import Calculator
     from .batch import Batch
     from .distributed import DistributedError, ShardedSystem

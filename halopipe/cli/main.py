@@ -16,6 +16,7 @@ import sys
 import traceback
 
 from .. import __version__
+from ..allocator import keep_freed_memory
 from .report import failure_message, note
 
 __all__ = ["main", "build_parser"]
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``halopipe`` command line; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_freed_memory()
     if args.command == "run" and args.allow_changed and not args.restart:
         parser.error("--allow-changed only applies with --restart")
     if args.command == "relax" and args.pressure and not args.cell:

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..allocator import keep_freed_memory
 from .comm import DistributedError
 
 __all__ = ["spawn", "launched_by_runner", "init_from_environment", "SpawnError"]
@@ -75,6 +76,7 @@ def launched_by_runner() -> bool:
 
 def init_from_environment(backend: str | None = None, timeout: float = 300.0) -> None:
     """Join the process group described by torchrun's or srun's environment."""
+    keep_freed_memory()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
@@ -224,6 +226,7 @@ def _free_port() -> int:
 # ------------------------------------------------------------------ the rank side
 def _worker(rank: int, nproc: int, port: int, backend: str, threads: int, fn, args, results, lifeline) -> None:
     _exit_with_launcher(lifeline)
+    keep_freed_memory()
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
