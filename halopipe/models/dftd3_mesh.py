@@ -53,16 +53,20 @@ per rank is ``O(M / P)`` plus the box. The optional ATM term (``s9``) keeps
 cutoff (exact C6, ghost CNs refreshed from their owners).
 
 Cost: the CN walk over the ~2,000 partners an atom of a solid has within the
-40 bohr CN cutoff (about 0.45 s of 0.55 s for 4,096 Si atoms at ``accuracy``
-1e-4 on one CPU thread, with the chain terms stored: 28 bytes a pair, 175 MB
-there; beyond :data:`~halopipe.kernels.dftd3.SPARSE_CHAIN_STORE_BYTES`, and
-for the stress's virial, the chain walks again, +0.35 s), and ``L x S`` mesh channels
-(rank x elements present: 3 for Si, 12-21 for C/H/O at 1e-4-1e-5), each spread,
-transformed, filtered, transformed back and interpolated, and the same again in
-the backward pass (plain autograd). The channels travel as one batch: one
-batched FFT, and distributed one message per peer for each box exchange and
-transpose, whatever the number of channels. The mesh spacing
-follows from ``accuracy`` (:func:`default_d3_mesh_spacing`, its error model).
+40 bohr CN cutoff (0.24 s of 0.26 s for 4,096 Si atoms at ``accuracy`` 1e-4 on
+one CPU thread, AMD EPYC, with the chain terms stored: 28 bytes a pair, 88 MB
+there, in slots reused from call to call; beyond
+:data:`~halopipe.kernels.dftd3.SPARSE_CHAIN_STORE_BYTES`, and for the stress's
+virial, the chain walks again), and ``L x S`` mesh channels (rank x elements
+present: 3 for Si, 10 for MgO, 12-21 for C/H/O at 1e-4-1e-5), spread,
+transformed, filtered, transformed back and interpolated (0.016 s for Si
+4,096). The channels travel as one batch: one batched FFT, and distributed one
+message per peer for each box exchange and transpose, whatever their number.
+The mesh energy is quadratic in the channel meshes with a symmetric kernel,
+so, as PME's, its backward reuses the forward's potentials
+(:class:`_MeshDispersion`): no FFT and no mesh message in the backward. The
+mesh spacing follows from ``accuracy`` (:func:`default_d3_mesh_spacing`, its
+error model).
 """
 
 from __future__ import annotations
