@@ -92,7 +92,10 @@ class RunConfig:
             pipeline = Pipeline(groups, config=self.domain_config(), compile=self.spec.compile, compile_kwargs=self.spec.compile_kwargs)
         except (ValueError, TypeError) as exc:
             raise ConfigError("groups", str(exc)) from exc
-        return pipeline.to(dtype=self.dtype, device=self.device)
+        for model in pipeline.models:  # an MLIP keeps its trained precision (own_dtype): geometry is cast to it, not it
+            if not model.own_dtype:
+                model.to(dtype=self.dtype)
+        return pipeline.to(device=self.device)
 
     def build_integrator(self):
         try:

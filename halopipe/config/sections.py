@@ -205,7 +205,9 @@ class RunSpec(Section):
     steps: Count
     nproc: PositiveInt = Field(1, description="local processes (ranks)")
     outputs: OutputsSpec = Field(default_factory=OutputsSpec)
-    precision: Literal["float64", "float32"] = "float64"
+    precision: Literal["float64", "float32"] = Field(
+        "float64", description="dtype of positions, integration and physics models; an MLIP keeps its weights' dtype (SevenNet: dtype)"
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     compile: bool = Field(False, description="compile every MLIP's local stages with torch.compile (MACE, SevenNet, TorchModel)")
     compile_kwargs: CompileOptions | None = Field(None, description="torch.compile options: dynamic, fullgraph, mode, options")

@@ -188,7 +188,9 @@ class Model(torch.nn.Module):
     given, it never reads ``cell``, ``pbc`` or ``n_total``, and any sum over atoms goes through
     :meth:`LocalView.system_sum`; other models see one view per system of a batch. ``stages`` is a
     :class:`~halopipe.models.compile.CompiledStages` for models whose local work can run under
-    ``torch.compile`` (``Pipeline(compile=True)``); None for the others.
+    ``torch.compile`` (``Pipeline(compile=True)``); None for the others. ``own_dtype = True`` says
+    the model runs at its parameters' dtype whatever the system's (an MLIP's trained precision: it
+    casts the view's geometry to it and its energies back), so a run's ``precision`` does not cast it.
     """
 
     cutoff: float = 0.0
@@ -198,6 +200,7 @@ class Model(torch.nn.Module):
     ghost_forces: bool = True
     half_list: bool = False
     batchable: bool = False
+    own_dtype: bool = False
     stages: CompiledStages | None = None
 
     @property

@@ -179,6 +179,8 @@ class MACE(Model):
     reaches owned atoms after ``L`` layers of a halo ``L * r_max`` wide.
     """
 
+    own_dtype = True  # runs at its weights' dtype; a run's precision does not cast them
+
     def __init__(
         self,
         module: torch.nn.Module,

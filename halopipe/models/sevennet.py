@@ -137,6 +137,8 @@ class SevenNet(Model):
     >>> pipeline = Pipeline([Group([Step(SevenNet("7net-0")), Step(DFTD3("pbe"))])])  # doctest: +SKIP
     """
 
+    own_dtype = True  # runs at its weights' dtype; a run's precision does not cast them
+
     def __init__(
         self,
         model: str | Path | torch.nn.Module = "7net-0",

@@ -417,3 +417,27 @@ def test_several_problems_are_listed_by_key():
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert info.value.key == "domain.skin" and str(info.value).endswith("(also: nproc, steps)"), str(info.value)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_mlip_keeps_its_weights_dtype_under_the_run_precision(tmp_path):
+    """A float32 MACE file in a float64 run stays float32 (its trained precision) and gives the Python API's numbers."""
+    pytest.importorskip("mace")
+    import ase.io
+
+    from halopipe import MACE, Pipeline, System
+    from tests.models.test_mace import build_model, make_atoms
+
+    model = build_model("scaleshift_L2_corr3").float()
+    torch.save(model, tmp_path / "small32.model")
+    ase.io.write(tmp_path / "hco.xyz", make_atoms(True), format="extxyz")
+    data = config(system={"file": "hco.xyz"}, models={"mace": {"type": "MACE", "file": "small32.model"}})
+    cfg = parse_config(data, base=tmp_path)
+    pipeline, system = cfg.build_pipeline(), cfg.build_system()
+    assert cfg.dtype == torch.float64 and system.dtype == torch.float64
+    assert pipeline.models[0].dtype == torch.float32
+    got = pipeline(system)
+    want = Pipeline([MACE(torch.load(tmp_path / "small32.model", weights_only=False))])(System.from_ase(ase.io.read(tmp_path / "hco.xyz")))
+    assert float(got["energy"]) == pytest.approx(float(want["energy"]), rel=1e-12)
+    torch.testing.assert_close(got["forces"], want["forces"], rtol=0, atol=1e-12)
