@@ -8,9 +8,9 @@ buffers, transpose messages) again and again, so every step pays a page fault
 at the first write of each fresh page. :func:`keep_freed_memory` raises both
 thresholds (``mallopt``): those blocks then come from and go back to the heap,
 whose pages stay mapped, and after a few steps a step faults no pages.
-Measured on particle-mesh D3 of Si 4,096 (AMD EPYC, one thread per rank):
-0.265 -> 0.262 s on one process and 0.156 -> 0.144 s on each of two ranks, whose
-distributed FFT allocates many such buffers (docs/benchmarks.md). The price is a
+Measured on particle-mesh D3 of Si 4,096 (AMD EPYC, one thread per rank, best
+calls of two benchmark runs): 0.265 -> 0.255 s on one process and 0.156 -> 0.144 s
+on two ranks, whose distributed FFT allocates many such buffers. The price is a
 resident set that stays at its high-water mark, which a simulation reaches
 every step anyway.
 

@@ -173,8 +173,7 @@ class Comm:
 
         Returns the received pieces concatenated by source rank (``recv_sizes``).
         Between ranks of one host the pieces go point to point through
-        :meth:`exchange` (shared memory where they fit: 2-3x faster than gloo's
-        ``all_to_all_single`` for the megabytes of a mesh transpose on 2 ranks);
+        :meth:`exchange` (shared memory where they fit, as the halo messages do);
         otherwise one ``all_to_all_single`` (gloo and NCCL). Both ends of every
         piece know its size, so all ranks route alike. Not differentiable by itself.
         """
