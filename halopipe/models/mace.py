@@ -152,6 +152,26 @@ def _traceable_copy(module: torch.nn.Module) -> torch.nn.Module:
     return copy.to(device=device, dtype=dtype).train(module.training)
 
 
+EDGE_SLICES = 4
+"""With ``checkpoint=True``, each layer's messages are summed over this many slices of its edges (see ``_sliced_layer``)."""
+
+
+def _edge_sum_blocks() -> tuple[type, type]:
+    """mace's interaction blocks whose message is a sum over edges: (residual, plain).
+
+    Both compute ``linear(scatter_sum(tp(edges)))`` (the plain one then takes a tensor product with the node
+    attributes, linear in the message); density-normalised and nonlinear blocks are not sums over edges.
+    """
+    from mace.modules.blocks import RealAgnosticInteractionBlock, RealAgnosticResidualInteractionBlock
+
+    return RealAgnosticResidualInteractionBlock, RealAgnosticInteractionBlock
+
+
+def _sums_over_edges(interaction: torch.nn.Module) -> bool:
+    """Whether the interaction's message is a sum over its edges (:func:`_edge_sum_blocks`, without a fused kernel)."""
+    return type(interaction) in _edge_sum_blocks() and not hasattr(interaction, "conv_fusion")
+
+
 class MACE(Model):
     """A mace-torch model (``mace.modules.MACE`` / ``ScaleShiftMACE``) as a halopipe model.
 
@@ -296,8 +316,11 @@ class MACE(Model):
         edge_attrs, edge_feats, cutoff, lengths, node_feats = run("embedding", _embedding_function(network), vectors, attrs, edge_index)
         per_layer = []
         for k in range(self.num_layers):
-            layer = self._layer_function(network, k)
-            node_feats = run(f"layer{k}", layer, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned, recompute=True)
+            if self.stages.checkpoint and _sums_over_edges(network.interactions[k]):
+                node_feats = self._sliced_layer(network, k, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned)
+            else:
+                layer = self._layer_function(network, k)
+                node_feats = run(f"layer{k}", layer, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned, recompute=True)
             if self.halo_mode == "wide":
                 per_layer.append(node_feats[:n])
             else:
@@ -327,6 +350,35 @@ class MACE(Model):
             return _product(product, node_feats[owned], None if sc is None else sc[owned], attrs[owned])
 
         return layer
+
+    def _sliced_layer(self, network, k, attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff, owned) -> torch.Tensor:
+        """Layer ``k`` with ``checkpoint=True``: its messages summed over :data:`EDGE_SLICES` slices of the edges.
+
+        Each slice's messages and the product are checkpointed stages of their own, so the backward pass holds
+        one slice's edge tensors and their gradients at a time (most of a layer's memory) instead of all of them.
+        Exact: the interaction is linear in its edges (:func:`_sums_over_edges`).
+        """
+        interaction, product, wide = network.interactions[k], network.products[k], self.halo_mode == "wide"
+
+        def messages(attrs, node_feats, edge_attrs, edge_feats, edge_index, cutoff):
+            kwargs = {"edge_attrs": edge_attrs, "edge_feats": edge_feats, "edge_index": edge_index, "cutoff": cutoff}
+            return interaction(node_attrs=attrs, node_feats=node_feats, first_layer=(k == 0), **kwargs)[0]
+
+        def produce(attrs, node_feats, message, owned):
+            sc = interaction.skip_tp(node_feats, attrs) if type(interaction) is _edge_sum_blocks()[0] else None
+            if wide:
+                return _product(product, message, sc, attrs)
+            return _product(product, message[owned], None if sc is None else sc[owned], attrs[owned])
+
+        run, total = self.stages.run, None
+        size = max(-(-edge_index.shape[1] // EDGE_SLICES), 1)
+        for start in range(0, max(edge_index.shape[1], 1), size):
+            part = slice(start, start + size)
+            envelope = None if cutoff is None else cutoff[part]
+            edges = (edge_attrs[part], edge_feats[part], edge_index[:, part], envelope)
+            sliced = run(f"messages{k}", messages, attrs, node_feats, *edges, recompute=True)
+            total = sliced if total is None else total + sliced
+        return run(f"product{k}", produce, attrs, node_feats, total, owned, recompute=True)
 
     def _energies(
         self, n: int, attrs: torch.Tensor, per_layer: list[torch.Tensor], edge_index: torch.Tensor, lengths: torch.Tensor
