@@ -189,6 +189,9 @@ class MACE(Model):
         ``compile_kwargs`` go to it (``dynamic``, ``fullgraph``, ``mode``, ``options``).
     checkpoint : recompute each layer's activations in the backward pass
         instead of keeping them (less memory, one more forward pass of the layers).
+        For mace's agnostic interaction blocks the messages are also summed over
+        :data:`EDGE_SLICES` slices of the edges, each recomputed on its own, so the
+        backward holds one slice's edge tensors and their gradients at a time.
 
     Notes
     -----
