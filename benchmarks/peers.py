@@ -657,7 +657,9 @@ def _command(code: str, case: str, config: str, nproc: int, steps: int, out: str
     worker = ["--worker", code, case, config, str(nproc), str(steps), out]
     if code == "lammps":
         python = [args.peers_python, str(HERE), *worker]
-        return [str(Path(args.peers_python).parent / "mpirun"), "-np", str(nproc), *python] if nproc > 1 else python
+        # Each rank bound to its core, as halopipe's launcher binds its ranks (MPICH's mpirun leaves them unbound).
+        mpirun = [str(Path(args.peers_python).parent / "mpirun"), "-bind-to", "core", "-np", str(nproc)]
+        return [*mpirun, *python] if nproc > 1 else python
     if code == "nvalchemi":
         python = [args.nvalchemi_python, str(HERE), *worker]
         torchrun = [str(Path(args.nvalchemi_python).parent / "torchrun"), "--nproc_per_node", str(nproc), str(HERE), *worker]

@@ -38,6 +38,7 @@ _NAMES_BY_MODULE = {
     "halopipe.ase": ["Calculator"],
     "halopipe.distributed": ["ShardedSystem", "DistributedError"],
     "halopipe.distributed.launch": ["spawn", "SpawnError"],
+    "halopipe.distributed.affinity": ["bind_local_rank"],
     "halopipe.allocator": ["keep_freed_memory"],
     "halopipe.dynamics": [
         "Simulation",
@@ -82,6 +83,7 @@ __all__ = [
     "DistributedError",
     "spawn",
     "SpawnError",
+    "bind_local_rank",
     "keep_freed_memory",
     "Simulation",
     "VelocityVerlet",
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # static tools see the eager imports
     from .ase import Calculator
     from .batch import Batch
     from .distributed import DistributedError, ShardedSystem
+    from .distributed.affinity import bind_local_rank
     from .distributed.launch import SpawnError, spawn
     from .domain import DomainConfig
     from .dynamics import (

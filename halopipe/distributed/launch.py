@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..allocator import keep_freed_memory
+from .affinity import bind_local_rank
 from .comm import DistributedError
 
 __all__ = ["spawn", "launched_by_runner", "init_from_environment", "SpawnError"]
@@ -87,6 +88,8 @@ def init_from_environment(backend: str | None = None, timeout: float = 300.0) ->
         os.environ.setdefault("MASTER_PORT", "29500")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: do not outlive it
         _die_with_parent(signal.SIGTERM)
+    if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:  # torchrun; srun binds its tasks itself
+        bind_local_rank(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]), torch.get_num_threads(), only_if_unbound=True)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -227,6 +230,8 @@ def _free_port() -> int:
 def _worker(rank: int, nproc: int, port: int, backend: str, threads: int, fn, args, results, lifeline) -> None:
     _exit_with_launcher(lifeline)
     keep_freed_memory()
+    if backend != "nccl":  # CPU ranks: each its own cores (a GPU rank's host thread is left to the scheduler)
+        bind_local_rank(rank, nproc, threads)
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":

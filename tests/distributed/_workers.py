@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -12,6 +13,11 @@ from halopipe import ChargeModel, DSFCoulomb, Group, LennardJones, Model, ModelO
 from halopipe.distributed import DistributedError, DomainConfig, ShardedSystem
 
 LJ = dict(epsilon={11: 0.0115, 17: 0.0043}, sigma={11: 2.6, 17: 3.6})
+
+
+def affinity() -> list[int]:
+    """The cores this rank may run on."""
+    return sorted(os.sched_getaffinity(0))
 
 
 def rank() -> int:
