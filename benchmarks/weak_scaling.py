@@ -133,7 +133,7 @@ def pipeline_for(workload: str, grid, config: DomainConfig) -> Pipeline:
 class Traffic:
     """Point-to-point and all-to-all bytes and messages this rank sends, split by who sent them (halo or mesh).
 
-    Wraps ``Comm.exchange`` and ``Comm.all_to_all`` at class level (so
+    Wraps ``Comm.exchange`` and ``Comm.all_to_all_into`` at class level (so
     sub-communicators are seen too); a call made from the distributed FFT's
     module (``distributed/fft.py``: transposes and box exchanges) counts as mesh.
     """
@@ -142,7 +142,7 @@ class Traffic:
 
     def __init__(self) -> None:
         self.totals = {"halo": [0, 0], "mesh": [0, 0]}  # channel -> [bytes, messages]
-        exchange, all_to_all = Comm.exchange, Comm.all_to_all
+        exchange, all_to_all_into = Comm.exchange, Comm.all_to_all_into
         traffic = self
 
         def counted_exchange(comm, sends, recv_shapes, dtype, device):
@@ -150,11 +150,11 @@ class Traffic:
             traffic._add(out)
             return exchange(comm, sends, recv_shapes, dtype, device)
 
-        def counted_all_to_all(comm, x, send_sizes, recv_sizes):
-            traffic._add([(n * x.element_size(), 1) for r, n in enumerate(send_sizes) if n and r != comm.rank])
-            return all_to_all(comm, x, send_sizes, recv_sizes)
+        def counted_all_to_all_into(comm, sends, outs):
+            traffic._add([(t.numel() * t.element_size(), 1) for r, t in enumerate(sends) if t.numel() and r != comm.rank])
+            return all_to_all_into(comm, sends, outs)
 
-        Comm.exchange, Comm.all_to_all = counted_exchange, counted_all_to_all
+        Comm.exchange, Comm.all_to_all_into = counted_exchange, counted_all_to_all_into
 
     def _add(self, pieces: list[tuple[int, int]]) -> None:
         channel = "halo"

@@ -171,26 +171,65 @@ class Comm:
     def all_to_all(self, x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
         """Send consecutive pieces of the 1-D tensor ``x`` (``send_sizes[r]`` elements to rank ``r``).
 
-        Returns the received pieces concatenated by source rank (``recv_sizes``).
-        Between ranks of one host the pieces go point to point through
-        :meth:`exchange` (shared memory where they fit, as the halo messages do);
-        otherwise one ``all_to_all_single`` (gloo and NCCL). Both ends of every
-        piece know its size, so all ranks route alike. Not differentiable by itself.
+        Returns the received pieces concatenated by source rank (``recv_sizes``),
+        through :meth:`all_to_all_into`. Not differentiable by itself.
         """
+        y = x.new_empty(sum(recv_sizes))
+        self.all_to_all_into(list(torch.split(x.detach(), send_sizes)), list(torch.split(y, recv_sizes)))
+        return y
+
+    def all_to_all_into(self, sends: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        """Send ``sends[r]`` to rank ``r`` and receive rank ``r``'s piece into ``outs[r]``; both may have any strides.
+
+        ``outs`` are typically views of one result (the blocks of a transposed
+        mesh), so pieces land in place. This rank's own piece is copied
+        directly. Between ranks of one host each piece that fits is copied into
+        shared memory and out of it into its view (both ends know its size, so
+        both route it alike; the others go point to point through gloo);
+        otherwise one ``all_to_all_single`` of packed buffers. Not
+        differentiable by itself.
+        """
+        me = self.rank
+        outs[me].copy_(sends[me])
         if not self.distributed:
-            return x.clone()
-        t = x.detach().to(self.device).contiguous()
-        self.all_to_all_bytes += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
+            return
+        dtype = outs[me].dtype
+        others = [r for r in range(self.size) if r != me]
+        self.all_to_all_bytes += sum(sends[r].numel() * sends[r].element_size() for r in others)
+        self.bytes_sent += sum(sends[r].numel() * sends[r].element_size() for r in others)
+        self.messages_sent += sum(1 for r in others if sends[r].numel())
         self.collectives += 1
+        self._tag += 1
         if self._shm is not None and self.device.type == "cpu":
-            pieces = dict(enumerate(torch.split(t, send_sizes)))
-            got = self.exchange(pieces, {r: (n,) for r, n in enumerate(recv_sizes)}, t.dtype, self.device)
-            return torch.cat([got[r] for r in range(self.size)]).to(x.device)
-        y = torch.empty(sum(recv_sizes), dtype=x.dtype, device=self.device)
-        self.bytes_sent += (sum(send_sizes) - send_sizes[self.rank]) * t.element_size()
-        self.messages_sent += sum(1 for r, n in enumerate(send_sizes) if n and r != self.rank)
-        self._run(lambda: [dist.all_to_all_single(y, t, recv_sizes, send_sizes, group=self.group, async_op=True)])
-        return y.to(x.device)
+            self._all_to_all_near(sends, outs, others, dtype)
+            return
+        send = torch.cat([s.reshape(-1) for s in sends]).to(self.device)
+        recv_sizes = [o.numel() for o in outs]
+        recv = torch.empty(sum(recv_sizes), dtype=dtype, device=self.device)
+        self._run(lambda: [dist.all_to_all_single(recv, send, recv_sizes, [s.numel() for s in sends], group=self.group, async_op=True)])
+        pieces = torch.split(recv, recv_sizes)
+        for r in others:
+            outs[r].copy_(pieces[r].view(outs[r].shape))
+
+    def _all_to_all_near(self, sends: list[torch.Tensor], outs: list[torch.Tensor], others: list[int], dtype: torch.dtype) -> None:
+        """:meth:`all_to_all_into` among ranks of one host: pieces that fit through shared memory, the rest point to point."""
+        near_out = [r for r in others if sends[r].numel() and self._through_shm(dtype, sends[r].shape)]
+        near_in = [r for r in others if outs[r].numel() and self._through_shm(dtype, outs[r].shape)]
+        if near_out:
+            self._run_shm(lambda wait: [self._shm.send(r, sends[r], wait) for r in near_out])
+        far_out = [r for r in others if sends[r].numel() and r not in near_out]
+        far_in = {r: torch.empty(outs[r].shape, dtype=dtype) for r in others if outs[r].numel() and r not in near_in}
+        if far_out or far_in:
+            ops = [
+                dist.P2POp(dist.isend, sends[r].to(self.device).contiguous(), group=self.group, tag=self._tag, group_peer=r)
+                for r in far_out
+            ]
+            ops += [dist.P2POp(dist.irecv, buf, group=self.group, tag=self._tag, group_peer=r) for r, buf in far_in.items()]
+            self._run(lambda: dist.batch_isend_irecv(ops), p2p=True)
+            for r, buf in far_in.items():
+                outs[r].copy_(buf)
+        if near_in:
+            self._run_shm(lambda wait: [self._shm.receive_into(r, outs[r], wait) for r in near_in])
 
     def gather_rows(self, x: torch.Tensor, root: int = 0) -> torch.Tensor | None:
         """Every rank's rows of ``x`` concatenated in rank order on ``root`` (``None`` elsewhere).

@@ -23,7 +23,7 @@ decomposition is the grid ``P x 1``: step 2 needs no transpose, and step 3 is
 one all-to-all among all ``P`` ranks. Each rank holds ``O(M / P)`` numbers at
 every stage and sends ``O(M / P)`` per transpose. Every step is linear with an
 exact adjoint (local FFTs through autograd, the transposes through
-:class:`AllToAll`, whose backward is the reverse all-to-all), so gradients
+:class:`Transpose`, whose backward is the reverse transpose), so gradients
 through the transform are exact.
 
 Slab or pencil (:func:`choose_grid`): a grid is *full* when every rank holds
@@ -49,8 +49,6 @@ the whole batch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..meshfft import BoxMap, MeshTransform, signed_frequencies
@@ -60,7 +58,7 @@ __all__ = [
     "PencilMeshTransform",
     "SlabMeshTransform",
     "BlockBoxMap",
-    "AllToAll",
+    "Transpose",
     "balanced_split",
     "choose_grid",
     "grid_cost",
@@ -110,17 +108,29 @@ def _fft(fn, x: torch.Tensor, dim: int, norm: str, n: int | None = None) -> torc
     return torch.zeros(shape, dtype=dtype, device=x.device) + (anchor if dtype.is_complex else anchor.real)
 
 
-class AllToAll(torch.autograd.Function):
-    """Differentiable all-to-all of a flat tensor; the backward sends gradients back the same way."""
+def _redistributed(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]):
+    """:func:`_transpose` without autograd: each piece copied out of ``x`` and into the result once."""
+    me = comm.rank
+    real = torch.view_as_real(x)
+    split_axis, gather_axis = split_axis + x.dim() - 3, gather_axis + x.dim() - 3  # after any batch axes
+    shape = list(real.shape)
+    shape[split_axis], shape[gather_axis] = split_sizes[me], sum(gather_sizes)
+    out = real.new_empty(shape)
+    comm.all_to_all_into(list(torch.split(real, split_sizes, dim=split_axis)), list(torch.split(out, gather_sizes, dim=gather_axis)))
+    return torch.view_as_complex(out)
+
+
+class Transpose(torch.autograd.Function):
+    """Differentiable :func:`_transpose`: its backward is the reverse transpose (a permutation's adjoint is its inverse)."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm, send_sizes: list[int], recv_sizes: list[int]):
-        ctx.comm, ctx.send_sizes, ctx.recv_sizes = comm, send_sizes, recv_sizes
-        return comm.all_to_all(x, send_sizes, recv_sizes)
+    def forward(ctx, x, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]):
+        ctx.args = (comm, gather_axis, gather_sizes, split_axis, split_sizes)
+        return _redistributed(x, comm, split_axis, split_sizes, gather_axis, gather_sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_to_all(grad.contiguous(), ctx.recv_sizes, ctx.send_sizes), None, None, None
+        return _redistributed(grad.contiguous(), *ctx.args), None, None, None, None, None
 
 
 def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[int], gather_axis: int, gather_sizes: list[int]):
@@ -131,25 +141,13 @@ def _transpose(x: torch.Tensor, comm: Comm, split_axis: int, split_sizes: list[i
     Piece ``t`` of ``split_axis`` (``split_sizes[t]``) goes to rank ``t``; the
     pieces received are joined along ``gather_axis`` in rank order (rank ``s``
     held ``gather_sizes[s]``). The result holds all of ``gather_axis`` and this
-    rank's piece of ``split_axis``.
+    rank's piece of ``split_axis``. Each piece is copied straight from its
+    place in ``x`` into the message and from the message into its place in
+    the result (:meth:`~halopipe.distributed.comm.Comm.all_to_all_into`).
     """
     if comm.size == 1:
         return x
-    me = comm.rank
-    split_axis, gather_axis = split_axis + x.dim() - 3, gather_axis + x.dim() - 3  # after any batch axes
-    pieces = torch.split(torch.view_as_real(x), split_sizes, dim=split_axis)
-    send = x.real.new_empty(sum(p.numel() for p in pieces))  # grouped by destination, each piece copied once
-    for piece, start in zip(pieces, _starts([p.numel() for p in pieces])):
-        send[start : start + piece.numel()].view(piece.shape).copy_(piece)
-    shapes = []
-    for held in gather_sizes:
-        shape = list(x.shape) + [2]
-        shape[split_axis], shape[gather_axis] = split_sizes[me], held
-        shapes.append(shape)
-    recv_sizes = [math.prod(shape) for shape in shapes]
-    got = AllToAll.apply(send, comm, [p.numel() for p in pieces], recv_sizes)
-    blocks = [g.reshape(shape) for g, shape in zip(torch.split(got, recv_sizes), shapes)]
-    return torch.view_as_complex(torch.cat(blocks, dim=gather_axis))
+    return Transpose.apply(x, comm, split_axis, split_sizes, gather_axis, gather_sizes)
 
 
 # ------------------------------------------------------------------ process grid
@@ -368,8 +366,50 @@ def _inside(points: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
     return (points >= bounds[0]) & (points < bounds[1])
 
 
+Run = tuple[int, int, int]
+"""``(position in the message, position in the box or block, length)`` along one axis."""
+
+
+def _runs(index: torch.Tensor) -> tuple[Run, ...]:
+    """The maximal runs of consecutive values of the 1-D ``index``, as (position, first value, length)."""
+    runs: list[list[int]] = []
+    for k, v in enumerate(index.tolist()):  # mesh lines of one axis (tens), once per box map
+        if runs and v == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([k, v, 1])
+    return tuple(tuple(r) for r in runs)
+
+
+def _composed(first: tuple[Run, ...], second: tuple[Run, ...]) -> tuple[Run, ...]:
+    """Runs from ``first``'s targets to ``second``'s where both map the same message positions (``(v, w, length)``)."""
+    out = []
+    for k, v, n in first:
+        for k2, w, n2 in second:
+            lo, hi = max(k, k2), min(k + n, k2 + n2)
+            if lo < hi:
+                out.append((v + lo - k, w + lo - k2, hi - lo))
+    return tuple(out)
+
+
+def _slice_pairs(axes: tuple[tuple[Run, ...], ...]) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    """For runs along each of three axes, every block of the product as (source slices, target slices)."""
+    pairs = []
+    for a, b, n in axes[0]:
+        for c, d, m in axes[1]:
+            for e, f, o in axes[2]:
+                pairs.append(((slice(a, a + n), slice(c, c + m), slice(e, e + o)), (slice(b, b + n), slice(d, d + m), slice(f, f + o))))
+    return pairs
+
+
 class BlockBoxMap(BoxMap):
-    """A rank's periodic box of mesh points mapped onto the ranks' blocks (see the module docstring)."""
+    """A rank's periodic box of mesh points mapped onto the ranks' blocks (see the module docstring).
+
+    Along each axis the points a box shares with a block are at most a few
+    runs of consecutive points in both (a periodic box wraps at most once), so
+    the values move as slices: no index tensors, no scattered adds; this
+    rank's own part goes from box to block directly.
+    """
 
     def __init__(self, transform: PencilMeshTransform, lo, extent) -> None:
         self.t = transform
@@ -384,46 +424,68 @@ class BlockBoxMap(BoxMap):
             ((starts0[i], starts0[i] + transform.pieces["x0"][i]), (starts1[j], starts1[j] + transform.pieces["x1"][j]))
             for i, j in (divmod(s, columns) for s in range(comm.size))
         ]
-        # What my box sends to each block: its (x0, x1) lines inside that block, as box indices.
-        self.send_lines: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # What each box sends to my block: flat indices into my block, in the sender's order.
-        self.recv_flat: dict[int, torch.Tensor] = {}
+        # What my box sends to each block: message positions -> box positions, per axis.
+        self.send_runs: dict[int, tuple[tuple[Run, ...], ...]] = {}
+        # What each box sends to my block: message positions -> block positions, per axis.
+        self.recv_runs: dict[int, tuple[tuple[Run, ...], ...]] = {}
         g0, g1 = _wrapped(mine[0], self.extent[0], sizes[0]), _wrapped(mine[1], self.extent[1], sizes[1])
         for s, (b0, b1) in enumerate(bounds):
             lines0, lines1 = _inside(g0, b0).nonzero()[:, 0], _inside(g1, b1).nonzero()[:, 0]
             if lines0.numel() and lines1.numel() and self.extent[2]:
-                self.send_lines[s] = (lines0, lines1)
-        (a0, _), (a1, b1) = bounds[comm.rank]
+                self.send_runs[s] = (_runs(lines0), _runs(lines1), ((0, 0, self.extent[2]),))
+        (a0, _), (a1, _) = bounds[comm.rank]
         for r, box in enumerate(boxes):
             lo_r, ext_r = box[:3], box[3:]
             h0, h1 = _wrapped(lo_r[0], ext_r[0], sizes[0]), _wrapped(lo_r[1], ext_r[1], sizes[1])
             in0, in1 = h0[_inside(h0, bounds[comm.rank][0])], h1[_inside(h1, bounds[comm.rank][1])]
             if in0.numel() and in1.numel() and ext_r[2]:
-                h2 = _wrapped(lo_r[2], ext_r[2], sizes[2])
-                self.recv_flat[r] = ((in0 - a0)[:, None, None] * (b1 - a1) + (in1 - a1)[None, :, None]) * sizes[2] + h2[None, None, :]
+                self.recv_runs[r] = (_runs(in0 - a0), _runs(in1 - a1), _runs(_wrapped(lo_r[2], ext_r[2], sizes[2])))
+        me = comm.rank
+        self.send_shapes = {s: tuple(sum(n for _, _, n in runs) for runs in axes) for s, axes in self.send_runs.items()}
+        self.recv_shapes = {r: tuple(sum(n for _, _, n in runs) for runs in axes) for r, axes in self.recv_runs.items()}
+        self.send_pairs = {s: _slice_pairs(axes) for s, axes in self.send_runs.items() if s != me}  # message <- box
+        self.recv_pairs = {r: _slice_pairs(axes) for r, axes in self.recv_runs.items() if r != me}  # message -> block
+        mine_both = me in self.send_runs and me in self.recv_runs
+        self.own_pairs = (  # box -> my block, for the points my box shares with my block
+            _slice_pairs(tuple(_composed(a, b) for a, b in zip(self.send_runs[me], self.recv_runs[me]))) if mine_both else []
+        )
 
     def _scatter_sum(self, box: torch.Tensor) -> torch.Tensor:
         """Box values -> my block, each mesh point summed over all boxes holding it."""
         t, batch = self.t, tuple(box.shape[:-3])
-        sends = {s: box[..., i0.to(box.device)[:, None], i1.to(box.device)[None, :], :] for s, (i0, i1) in self.send_lines.items()}
-        shapes = {r: batch + tuple(flat.shape) for r, flat in self.recv_flat.items()}
+        sends = {}
+        for s, pairs in self.send_pairs.items():
+            message = box.new_empty(batch + self.send_shapes[s])
+            for into, out_of in pairs:
+                message[(..., *into)] = box[(..., *out_of)]
+            sends[s] = message
+        shapes = {r: batch + shape for r, shape in self.recv_shapes.items() if r in self.recv_pairs}
         got = t.comm.exchange(sends, shapes, box.dtype, box.device)
-        shape = t.real_shape()
-        block = box.new_zeros(batch + (math.prod(shape),))
-        for r, flat in self.recv_flat.items():
-            block.index_add_(-1, flat.to(box.device).reshape(-1), got[r].reshape(batch + (-1,)))
-        return block.reshape(batch + shape)
+        block = box.new_zeros(batch + t.real_shape())
+        for out_of, into in self.own_pairs:
+            block[(..., *into)] += box[(..., *out_of)]
+        for r, pairs in self.recv_pairs.items():
+            for out_of, into in pairs:
+                block[(..., *into)] += got[r][(..., *out_of)]
+        return block
 
     def _gather(self, block: torch.Tensor) -> torch.Tensor:
         """My block -> every box's values at its points (the adjoint of :meth:`_scatter_sum`)."""
         batch = tuple(block.shape[:-3])
-        flat_block = block.reshape(batch + (-1,))
-        sends = {r: flat_block[..., flat.to(block.device).reshape(-1)].reshape(batch + flat.shape) for r, flat in self.recv_flat.items()}
-        shapes = {s: batch + (i0.numel(), i1.numel(), self.extent[2]) for s, (i0, i1) in self.send_lines.items()}
+        sends = {}
+        for r, pairs in self.recv_pairs.items():
+            message = block.new_empty(batch + self.recv_shapes[r])
+            for into, out_of in pairs:
+                message[(..., *into)] = block[(..., *out_of)]
+            sends[r] = message
+        shapes = {s: batch + shape for s, shape in self.send_shapes.items() if s in self.send_pairs}
         got = self.t.comm.exchange(sends, shapes, block.dtype, block.device)
         box = block.new_zeros(batch + self.extent)
-        for s, (i0, i1) in self.send_lines.items():
-            box[..., i0.to(block.device)[:, None], i1.to(block.device)[None, :], :] = got[s]
+        for into, out_of in self.own_pairs:
+            box[(..., *into)] = block[(..., *out_of)]
+        for s, pairs in self.send_pairs.items():
+            for out_of, into in pairs:
+                box[(..., *into)] = got[s][(..., *out_of)]
         return box
 
     def to_mesh(self, box: torch.Tensor) -> torch.Tensor:

@@ -179,21 +179,24 @@ class SharedMemory:
         return out.reshape(x.shape)
 
     def send(self, dst: int, x: torch.Tensor, wait) -> None:
-        """Write the contiguous CPU tensor ``x`` to ``dst``'s mailbox from this rank (caller checks :meth:`fits`)."""
+        """Write the CPU tensor ``x`` (any strides) to ``dst``'s mailbox from this rank (caller checks :meth:`fits`)."""
         header = self._headers[self.rank, dst]
         wait(lambda: header[_TAKEN] == header[_SENT])  # the previous message was taken
-        flat = x.reshape(-1)
-        self._boxes[self.rank, dst][: flat.numel() * flat.element_size()].view(x.dtype).copy_(flat)
+        self._boxes[self.rank, dst][: x.numel() * x.element_size()].view(x.dtype).view(x.shape).copy_(x)
         header[_SENT] += 1
 
     def receive(self, src: int, shape: tuple, dtype: torch.dtype, wait) -> torch.Tensor:
         """The next message from ``src``, copied out, as a tensor of ``shape`` and ``dtype``."""
+        out = torch.empty(shape, dtype=dtype)
+        self.receive_into(src, out, wait)
+        return out
+
+    def receive_into(self, src: int, out: torch.Tensor, wait) -> None:
+        """Copy the next message from ``src`` into the CPU tensor ``out`` (any strides; its shape and dtype are the message's)."""
         header = self._headers[src, self.rank]
         wait(lambda: header[_SENT] > header[_TAKEN])
-        n = int(np.prod(shape)) * dtype.itemsize
-        out = self._boxes[src, self.rank][:n].view(dtype).clone().reshape(shape)
+        out.copy_(self._boxes[src, self.rank][: out.numel() * out.element_size()].view(out.dtype).view(out.shape))
         header[_TAKEN] += 1
-        return out
 
     def dead_peer(self) -> int | None:
         """A rank whose process is gone, or ``None`` (all on this host, so its pid can be asked)."""

@@ -20,7 +20,7 @@ def _payload(src: int, dst: int, rows: int) -> torch.Tensor:
 
 
 def traffic(capacity: int) -> dict:
-    """Reductions and point-to-point messages of sizes below and above ``capacity``; every result checked here."""
+    """Reductions, point-to-point messages and all-to-alls of sizes below and above ``capacity``; every result checked here."""
     os.environ["HALOPIPE_SHM_CAPACITY"] = str(capacity)  # read when this process makes its first communicator
     comm = Comm(timeout=60.0)
     r, p = comm.rank, comm.size
@@ -41,6 +41,12 @@ def traffic(capacity: int) -> dict:
             for q in range(p):
                 if q != r:
                     assert torch.equal(got[q], _payload(q, r, rows)), (rows, q)
+        for _ in range(2):  # an all-to-all whose pieces, sent and received, are strided views (columns of one tensor)
+            source = torch.stack([_payload(r, q, rows) for q in range(p)], dim=1)
+            result = torch.full((rows, p, 3), -1.0, dtype=torch.float64)
+            comm.all_to_all_into([source[:, q] for q in range(p)], [result[:, q] for q in range(p)])
+            for q in range(p):
+                assert torch.equal(result[:, q], _payload(q, r, rows)), (rows, q)
     return {"shared_memory": comm._shm is not None, "reductions": [t.tolist() for t in reductions]}
 
 

@@ -39,17 +39,17 @@ class Spy:
 
     def __init__(self, comm) -> None:
         self.comm, self.peers, self.all_to_alls = comm, set(), 0
-        exchange, all_to_all = comm.exchange, comm.all_to_all
+        exchange, all_to_all_into = comm.exchange, comm.all_to_all_into
 
         def spied_exchange(sends, recv_shapes, dtype, device):
             self.peers |= {r for r, t in sends.items() if t.shape[0] and r != comm.rank}
             return exchange(sends, recv_shapes, dtype, device)
 
-        def spied_all_to_all(x, send_sizes, recv_sizes):
+        def spied_all_to_all_into(sends, outs):
             self.all_to_alls += 1
-            return all_to_all(x, send_sizes, recv_sizes)
+            return all_to_all_into(sends, outs)
 
-        comm.exchange, comm.all_to_all = spied_exchange, spied_all_to_all
+        comm.exchange, comm.all_to_all_into = spied_exchange, spied_all_to_all_into
 
     def counters(self) -> tuple[int, int]:
         return self.comm.messages_sent, self.comm.bytes_sent
