@@ -4,7 +4,7 @@ Runs velocity-Verlet NVE on a case of ``md_throughput.py`` (LJ argon 32,000
 atoms, the demo composite 8,000 atoms) and attributes the wall time of the
 timed steps, per rank, to exclusive categories by wrapping a few functions:
 
-* ``neighbour search``: ``pipeline._candidates`` (cell-list searches and the
+* ``neighbour search``: ``PairLists.candidates`` (cell-list searches and the
   filtering of narrower lists, their kernels included), once per rebuild;
 * ``rebuild: partition, plan, migration``: ``ShardedSystem._repartition``
   (its communication included);
@@ -82,11 +82,11 @@ class StepProfile:
         """Wrap the functions behind each category (in this process)."""
         import warp
 
-        from halopipe import pipeline
         from halopipe.distributed.comm import Comm
+        from halopipe.neighbors import PairLists
         from halopipe.distributed.sharded import ShardedSystem
 
-        pipeline._candidates = self.wrap(pipeline._candidates, CATEGORIES[0], absorb=True)
+        PairLists.candidates = self.wrap(PairLists.candidates, CATEGORIES[0], absorb=True)
         ShardedSystem._repartition = self.wrap(ShardedSystem._repartition, CATEGORIES[1], absorb=True)
         warp.launch = self.wrap(warp.launch, CATEGORIES[2])
         for name in ("fftn", "ifftn", "rfftn", "irfftn", "fft", "ifft", "rfft", "irfft"):
