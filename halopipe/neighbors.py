@@ -192,8 +192,47 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> t
     wp = warp_module()
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
     grid = [pos, pos[order], order.to(torch.int32), slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
+    capacity = _slot_capacity(cell_start, n_cells, float(cutoff) / edge)
     inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
-    return _grouped_two_passes("owned_half", n_owned, device, inputs)
+    if n_owned * capacity * 8 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
+        return _grouped_two_passes("owned_half", n_owned, device, [*inputs, 0])
+    return _owned_half_one_pass(n_owned, device, inputs, capacity)
+
+
+PAIR_SLOT_BYTES = 512 << 20
+"""Memory the one-pass search may fill with its rows' slots (:func:`_slot_capacity` partners each, 8 bytes a partner)."""
+
+
+def _slot_capacity(cell_start: torch.Tensor, n_cells: int, reach_in_cubes: float) -> int:
+    """Partner slots per owned row: 1.3x the partners a row has in a full sphere of the reach, at its cubes' density, + 16.
+
+    The density is that of the occupied cubes (so vacuum around a slab or a
+    molecule does not dilute it); a row takes about half of the sphere's
+    partners (the other half find it), so the slots hold about 2.6x a row's
+    share, and a denser spot than that sends the search to two passes.
+    """
+    per_section = torch.diff(cell_start)
+    occupancy = per_section[:n_cells] + per_section[n_cells:]  # owned and ghost rows of each cube
+    occupied = occupancy[occupancy > 0]
+    per_cube = float(occupied.float().mean()) if occupied.numel() else 0.0
+    return int(1.3 * per_cube * (4.0 / 3.0) * math.pi * reach_in_cubes**3) + 16
+
+
+def _owned_half_one_pass(n_owned: int, device: torch.device, inputs: list, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows."""
+    counts = torch.empty(n_owned, dtype=torch.int32, device=device)
+    slots = torch.empty(n_owned * capacity, dtype=torch.int64, device=device)
+    nothing32 = torch.empty(0, dtype=torch.int32, device=device)
+    nothing64 = torch.empty(0, dtype=torch.int64, device=device)
+    launch(warp_kernel("owned_half_slots", _LISTS), n_owned, device, [*inputs, capacity, nothing32], [nothing64, slots, counts])
+    start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
+    torch.cumsum(counts, 0, out=start[1:])
+    pairs = torch.empty(2, int(start[-1]), dtype=torch.int64, device=device)
+    if int(counts.max()) <= capacity:
+        launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, capacity, start], [pairs[0], pairs[1]])
+    else:  # a row outgrew its slots: the counts are known, so one more pass writes the pairs
+        launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*inputs, 0, start], [pairs[0], pairs[1], nothing32])
+    return pairs, start
 
 
 def _grouped_two_passes(kernels: str, n_owned: int, device: torch.device, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,6 +120,25 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
     pairs.warp_kernel.cache_clear()
 
 
+@pytest.mark.parametrize("search", ["one_pass", "a_row_overflows_its_slots", "two_passes"])
+def test_every_path_of_the_warp_search_gives_the_pairs_grouped_by_owned_row(search, monkeypatch):
+    """One pass into per-row slots, the fallback when a row has more partners than slots, and two passes: against cdist."""
+    from halopipe import neighbors
+
+    if search == "a_row_overflows_its_slots":
+        monkeypatch.setattr(neighbors, "_slot_capacity", lambda *args: 3)
+    elif search == "two_passes":
+        monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
+    rows, n_owned, cutoff = torch.tensor(np.random.default_rng(11).uniform(-2, 12, (400, 3))), 150, 3.1
+    got, start = neighbors.grouped_owned_half_pairs(rows, n_owned, cutoff)
+    r = torch.cdist(rows, rows)
+    i, j = torch.nonzero(r <= cutoff, as_tuple=True)
+    want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
+    assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want and got.shape[1] == len(want)
+    assert bool((got[0][1:] >= got[0][:-1]).all())  # grouped by owned row, with its offsets
+    assert torch.equal(start[1:].long(), torch.cumsum(torch.bincount(got[0], minlength=n_owned), 0))
+
+
 def _view_rows(domain, width: float) -> torch.Tensor:
     """Owned rows then the ghost rows within ``width``, as a view builds them."""
     pos, cell = domain.positions, domain.cell

@@ -1,9 +1,14 @@
 """Warp sources of the pair lists (imported only when Warp loads): the owned-centred search and the narrower-list filter.
 
-Both run one thread per owned row and make a list grouped by owned row in two
-passes: one counts each row's pairs, a prefix sum turns the counts into
-offsets, the other writes the pairs from the row's offset. The writing pass is
-branch-free in its inner loop: every candidate is written at the row's next
+Both run one thread per owned row and make a list grouped by owned row. The
+search writes each row's pairs into ``capacity`` slots of its own in one pass
+(``SLOTS``, counting past the slots), and a copy packs the slots by the
+prefix sum of the counts (:data:`compact_slots`); when a row's pairs outnumber
+its slots, or the slots would not fit in memory, it runs in two passes
+instead: one counts each row's pairs (``COUNT``), a prefix sum turns the
+counts into offsets, the other writes the pairs from the row's offset
+(``FILL``). The filter always takes two passes. The writing passes are
+branch-free in their inner loop: every candidate is written at the row's next
 free slot and kept by advancing past it (while the row's slots last), which
 measured twice as fast as writing under a data-dependent branch on the CPU.
 """
@@ -15,6 +20,8 @@ import warp as wp
 # Index kernels have no gradients; skipping Warp's adjoints halves build time.
 wp.set_module_options({"enable_backward": False})
 
+COUNT, FILL, SLOTS = 0, 1, 2
+
 
 @wp.func
 def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
@@ -22,7 +29,7 @@ def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
     return wp.max(wp.max(lower - x, x - lower - edge), wp.float64(0.0))
 
 
-def _owned_half_search(write: bool):
+def _owned_half_search(mode: int):
     """The owned-centred half-pair search: one thread per owned row ``i``, each pair within the cutoff once.
 
     Rows are sorted by cube (x fastest), owned rows in one section and ghost
@@ -36,9 +43,11 @@ def _owned_half_search(write: bool):
     (``slot[i]`` is ``i``'s sorted position), so each owned pair is found from
     one end, with half the scanning. ``reach_pad`` (a hair over the cutoff)
     only widens the trim, so rounding in the binning never drops a cube; the
-    pair test is exact. The counting variant (``write`` False) stores per-row
-    counts; the writing one stores the pairs from ``offsets[i]``. Two
-    compiled variants, because a run-time "write?" test in the inner loop
+    pair test is exact. ``COUNT`` stores per-row counts; ``FILL`` stores the
+    pairs from ``offsets[i]``; ``SLOTS`` stores row ``i``'s partners in
+    ``second[i * capacity ...]`` (no ``first``: the row is implied) and its
+    count, which may exceed ``capacity`` (those partners are not written).
+    Compiled variants, because a run-time "write?" test in the inner loop
     measured 40 % slower.
     """
 
@@ -56,6 +65,7 @@ def _owned_half_search(write: bool):
         reach: wp.int32,
         reach_pad: wp.float64,
         rc2: wp.float64,
+        capacity: wp.int32,
         offsets: wp.array(dtype=wp.int32),
         first: wp.array(dtype=wp.int64),
         second: wp.array(dtype=wp.int64),
@@ -70,9 +80,12 @@ def _owned_half_search(write: bool):
         n_cells = dims[0] * dims[1] * dims[2]
         n = wp.int32(0)
         end = wp.int32(0)
-        if wp.static(write):
+        if wp.static(mode == FILL):
             n = offsets[i]
             end = offsets[i + 1]
+        elif wp.static(mode == SLOTS):
+            n = i * capacity
+            end = n + capacity
         pad2 = reach_pad * reach_pad
         x_lo = wp.max(c[0] - reach, 0)
         x_hi = wp.min(c[0] + reach, dims[0] - 1)
@@ -99,19 +112,42 @@ def _owned_half_search(write: bool):
                             j = order[s]
                             d = sorted_rows[s] - centre
                             keep = wp.dot(d, d) <= rc2
-                            if wp.static(write):
+                            if wp.static(mode == FILL):
                                 if n < end:
                                     first[n] = wp.int64(i)
                                     second[n] = wp.int64(j)
+                            elif wp.static(mode == SLOTS):
+                                if n < end:
+                                    second[n] = wp.int64(j)
                             n += wp.where(keep, 1, 0)
-        if not wp.static(write):
+        if wp.static(mode == COUNT):
             counts[i] = n
+        elif wp.static(mode == SLOTS):
+            counts[i] = n - i * capacity
 
     return search
 
 
-owned_half_count = _owned_half_search(write=False)
-owned_half_fill = _owned_half_search(write=True)
+owned_half_count = _owned_half_search(COUNT)
+owned_half_fill = _owned_half_search(FILL)
+owned_half_slots = _owned_half_search(SLOTS)
+
+
+@wp.kernel
+def compact_slots(
+    slots: wp.array(dtype=wp.int64),
+    capacity: wp.int32,
+    start: wp.array(dtype=wp.int32),
+    first: wp.array(dtype=wp.int64),
+    second: wp.array(dtype=wp.int64),
+):
+    """Row ``i``'s partners from its slots ``slots[i * capacity ...]`` to ``start[i] .. start[i + 1]`` (every row fits its slots)."""
+    i = wp.tid()
+    base = i * capacity
+    out = start[i]
+    for k in range(start[i + 1] - out):
+        first[out + k] = wp.int64(i)
+        second[out + k] = slots[base + k]
 
 
 def _half_list_filter(write: bool):
