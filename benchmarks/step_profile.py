@@ -83,8 +83,8 @@ class StepProfile:
         import warp
 
         from halopipe.distributed.comm import Comm
-        from halopipe.neighbors import PairLists
         from halopipe.distributed.sharded import ShardedSystem
+        from halopipe.neighbors import PairLists
 
         PairLists.candidates = self.wrap(PairLists.candidates, CATEGORIES[0], absorb=True)
         ShardedSystem._repartition = self.wrap(ShardedSystem._repartition, CATEGORIES[1], absorb=True)
