@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from vesin import NeighborList as _VesinNeighborList
 
+from .allocator import ScratchPool
 from .kernels.backend import warp_module
 from .kernels.pairs import launch, warp_kernel
 
@@ -103,19 +104,23 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     return grouped_owned_half_pairs(rows, n_owned, cutoff)[0]
 
 
-def grouped_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grouped_owned_half_pairs(
+    rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`owned_half_pairs` and, when the pairs come grouped by owned row (the Warp search), their offsets.
 
     Returns ``pairs`` (2, P) and ``start`` (``n_owned + 1`` int32 offsets: row
     ``a``'s pairs are ``start[a] .. start[a + 1]``), or ``None`` for ``start``
-    when the search does not group (without Warp).
+    when the search does not group (without Warp). ``pool``: where the Warp
+    search takes its per-row slots from and gives them back (tens of MB,
+    reused from rebuild to rebuild instead of faulted in afresh).
     """
     if not 0 <= n_owned <= rows.shape[0]:  # the owned rows are a prefix of the rows: the kernels read every owned row
         raise ValueError(f"owned-centred pair search: n_owned={n_owned} must be between 0 and the {rows.shape[0]} rows")
     if rows.shape[0] < 2 or n_owned == 0:
         return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
     if warp_kernel("owned_half_fill", _LISTS) is not None:
-        return _warp_owned_half_pairs(rows, n_owned, cutoff)
+        return _warp_owned_half_pairs(rows, n_owned, cutoff, pool)
     if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs
         i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
         keep = (j >= n_owned) | (i < j)
@@ -159,7 +164,7 @@ def _warp_narrower_half_pairs(
     return _grouped_two_passes("half_list", start.numel() - 1, rows.device, inputs)
 
 
-def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
 
     Rows are binned into cubes (:func:`_cube_edge`) and sorted by cube, owned
@@ -195,7 +200,7 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> t
     inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
     if n_owned * capacity * 8 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
         return _grouped_two_passes("owned_half", n_owned, device, [*inputs, 0])
-    return _owned_half_one_pass(n_owned, device, inputs, capacity)
+    return _owned_half_one_pass(n_owned, device, inputs, capacity, pool or ScratchPool())
 
 
 SPHERE_ROWS_FOR_HALF_CUBES = 350
@@ -237,10 +242,12 @@ def _slot_capacity(cell_start: torch.Tensor, n_cells: int, reach_in_cubes: float
     return int(1.3 * per_cube * (4.0 / 3.0) * math.pi * reach_in_cubes**3) + 16
 
 
-def _owned_half_one_pass(n_owned: int, device: torch.device, inputs: list, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _owned_half_one_pass(
+    n_owned: int, device: torch.device, inputs: list, capacity: int, pool: ScratchPool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows."""
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
-    slots = torch.empty(n_owned * capacity, dtype=torch.int64, device=device)
+    slots = pool.take_flat(n_owned * capacity, torch.int64, device)
     nothing32 = torch.empty(0, dtype=torch.int32, device=device)
     nothing64 = torch.empty(0, dtype=torch.int64, device=device)
     launch(warp_kernel("owned_half_slots", _LISTS), n_owned, device, [*inputs, capacity, nothing32], [nothing64, slots, counts])
@@ -251,6 +258,7 @@ def _owned_half_one_pass(n_owned: int, device: torch.device, inputs: list, capac
         launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, capacity, start], [pairs[0], pairs[1]])
     else:  # a row outgrew its slots: the counts are known, so one more pass writes the pairs
         launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*inputs, 0, start], [pairs[0], pairs[1], nothing32])
+    pool.give_flat(slots)
     return pairs, start
 
 
@@ -403,6 +411,7 @@ class PairLists:
     def __init__(self) -> None:
         self._lists: dict = {}
         self._version: int | None = None
+        self._scratch = ScratchPool(keep=1)  # the search's per-row slots, from rebuild to rebuild
 
     def candidates(
         self, version: int, rows: torch.Tensor, n_owned: int, n_ghost: int, reach: float, cutoff: float, half: bool
@@ -419,7 +428,7 @@ class PairLists:
             pairs, start = min(wider, key=lambda c: c[0].shape[1])
             found = narrower_half_pairs(pairs, start, rows, reach)
         elif half:
-            found = grouped_owned_half_pairs(rows, n_owned, reach)
+            found = grouped_owned_half_pairs(rows, n_owned, reach, self._scratch)
         else:
             found = (owned_pairs(rows, n_owned, reach), None)
         self._lists[key] = found

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-# In a fresh process: mmapped bytes and heap bytes (mallinfo2's hblkhd, arena) after malloc + write, and after free.
+# In a fresh process, mallinfo2 around malloc + write + free of 16 MiB: bytes mapped on their own (hblkhd) while held,
+# bytes in use in the heap (uordblks) while held, the heap's shrink (arena) at the free, and mapped bytes left after it.
 _PROBE = """
 import ctypes, ctypes.util, sys
 from halopipe.allocator import keep_freed_memory
@@ -34,13 +35,13 @@ ctypes.memset(block, 1, 16 << 20)
 held = libc.mallinfo2()
 libc.free(ctypes.c_void_p(block))
 freed = libc.mallinfo2()
-print(applied, held.hblkhd - start.hblkhd, held.arena - start.arena, freed.arena - start.arena)
+print(applied, held.hblkhd - start.hblkhd, held.uordblks - start.uordblks, held.arena - freed.arena, freed.hblkhd - start.hblkhd)
 """
 
 MIB = 1 << 20
 
 
-def _probe(mode: str, env: dict | None = None) -> tuple[bool, int, int, int]:
+def _probe(mode: str, env: dict | None = None) -> tuple[bool, int, int, int, int]:
     done = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, timeout=60, env=env, check=True)
     applied, *sizes = done.stdout.split()
     return (applied == "True", *(int(s) for s in sizes))
@@ -48,14 +49,33 @@ def _probe(mode: str, env: dict | None = None) -> tuple[bool, int, int, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt and mallinfo2 are glibc's")
 def test_a_freed_block_stays_in_the_heap() -> None:
-    applied, mapped, heap, heap_after_free = _probe("on")
+    applied, mapped, in_heap, shrink, mapped_after_free = _probe("on")
     assert applied
-    assert mapped == 0 and heap >= 16 * MIB, (mapped, heap)  # carved from the heap, not mapped on its own
-    assert heap_after_free >= 16 * MIB, heap_after_free  # and the heap kept its pages after the free
-    _, mapped, heap, heap_after_free = _probe("off")
-    assert mapped >= 16 * MIB and heap_after_free < MIB, (mapped, heap_after_free)  # glibc's default: mapped, then unmapped
+    assert mapped == 0 and in_heap >= 16 * MIB, (mapped, in_heap)  # carved from the heap, not mapped on its own
+    assert shrink == 0, shrink  # and the heap kept its pages after the free
+    _, mapped, in_heap, _, mapped_after_free = _probe("off")
+    assert mapped >= 16 * MIB and in_heap < MIB and mapped_after_free <= 0, (mapped, in_heap, mapped_after_free)  # glibc's default
 
 
 def test_the_environment_turns_it_off() -> None:
-    applied, mapped, _, _ = _probe("on", dict(os.environ, HALOPIPE_KEEP_FREED_MEMORY="0"))
+    applied, mapped, *_ = _probe("on", dict(os.environ, HALOPIPE_KEEP_FREED_MEMORY="0"))
     assert not applied and mapped >= 16 * MIB
+
+
+def test_a_scratch_pool_hands_back_given_buffers_and_grows_new_ones() -> None:
+    import torch
+
+    from halopipe.allocator import ScratchPool
+
+    pool = ScratchPool(keep=1)
+    first = pool.take_flat(800, torch.int64, "cpu")
+    assert first.numel() >= 800  # an eighth more than asked, for requests that wander
+    pool.give_flat(first)
+    again = pool.take_flat(850, torch.int64, "cpu")
+    assert again.data_ptr() == first.data_ptr()  # the same memory, not a fresh allocation
+    larger = pool.take_flat(2000, torch.int64, "cpu")  # nothing long enough is free
+    assert larger.numel() >= 2000 and larger.data_ptr() != first.data_ptr()
+    pool.give_flat(again)
+    pool.give_flat(larger)  # keep=1: only the longest stays
+    assert pool.take_flat(10, torch.int64, "cpu").data_ptr() == larger.data_ptr()
+    assert pool.take_flat(10, torch.int64, "cpu").data_ptr() not in (first.data_ptr(), larger.data_ptr())

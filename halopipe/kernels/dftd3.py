@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..allocator import ScratchPool
 from ..geometry import Geometry
 from .backend import warp_module
 from .pairs import launch, warp_kernel
@@ -30,7 +31,6 @@ __all__ = [
     "LatticeCells",
     "keeps_chain_terms",
     "keeps_sparse_chain_terms",
-    "ScratchPool",
     "lattice_atm",
     "lattice_cells",
     "lattice_cn_chain",
@@ -190,34 +190,6 @@ def _lattice_launch(name: str, owned: torch.Tensor, cells: LatticeCells, species
         launch(warp_kernel(name, "_warp_d3"), owned.numel(), device, args, outs)
     outputs["vir"] = outputs["vir"].sum(dim=0) if virial else None
     return outputs
-
-
-class ScratchPool:
-    """Large scratch tensors kept between calls and handed out again, instead of allocated afresh.
-
-    Hundreds of megabytes allocated anew on every call are mapped anew by the
-    C allocator (glibc returns blocks beyond 32 MB to the system) and each page
-    faults at its first write: on Si 4,096 that was 0.04 s of a 0.32 s D3
-    evaluation, and more on two ranks sharing the memory bus. A tensor given
-    back (:meth:`give`) once its contents are used goes to the next
-    :meth:`take` of its shape; one still in use is never handed out twice.
-    """
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._free: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-        """An uninitialised tensor of ``shape``: a given-back one if any, else a new one."""
-        free = self._free.get((tuple(shape), dtype, torch.device(device)))
-        return free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
-
-    def give(self, *tensors: torch.Tensor) -> None:
-        """Hand ``tensors`` back for reuse (their contents are no longer needed); at most ``keep`` per shape."""
-        for t in tensors:
-            free = self._free.setdefault((tuple(t.shape), t.dtype, t.device), [])
-            if len(free) < self.keep:
-                free.append(t)
 
 
 CHAIN_STORE_BYTES = 64 << 20

@@ -78,8 +78,8 @@ from dataclasses import dataclass
 import torch
 from ase import units
 
+from ..allocator import ScratchPool
 from ..kernels.dftd3 import (
-    ScratchPool,
     keeps_chain_terms,
     keeps_sparse_chain_terms,
     lattice_cells,
