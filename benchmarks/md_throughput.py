@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from halopipe import keep_freed_memory  # noqa: E402
 from halopipe.distributed.launch import spawn  # noqa: E402
 
 CASES = {
@@ -126,6 +127,7 @@ def worker(case: str, steps: int, warmup: int, device: str, reporters: bool = Fa
 
 def measure(case: str, nproc: int, steps: int, warmup: int, device: str, reporters: bool = False) -> dict:
     if nproc == 1:
+        keep_freed_memory()  # as `halopipe run` and the launcher's ranks do
         torch.set_num_threads(1)
         return worker(case, steps, warmup, device, reporters)
     backend = "nccl" if device.startswith("cuda") else "gloo"

@@ -398,6 +398,9 @@ def _halopipe_evaluations(stress: bool, pipeline, system, evals: int, out: str) 
 
 def run_halopipe(case: str, config: str, nproc: int, steps: int, out: str) -> dict:
     if nproc == 1:
+        from halopipe import keep_freed_memory
+
+        keep_freed_memory()  # as `halopipe run` and the launcher's ranks do
         return halopipe_worker(case, config, steps, out)
     from halopipe.distributed.launch import spawn
 

@@ -29,6 +29,7 @@ from ..distributed import ShardedSystem
 from ..models.base import Model
 from ..pipeline import Pipeline
 from ..system import System
+from .collection import scheduled_collection
 from .fingerprint import fingerprint_changes, integrator_fingerprint, pipeline_fingerprint, system_identity
 from .integrators import Integrator, MDState
 from .units import AMU_PER_A3_TO_G_PER_CM3, EV_PER_A3_TO_GPA, KB
@@ -318,27 +319,34 @@ class Simulation:
         if not self._started:
             self._start()
         self.timing.started = time.perf_counter()
-        for _ in range(steps):
-            if self.integrator.converged:
-                break
-            n = md.step + 1
-            md.want_stress = self._wants_stress(n)
-            md.want_energy = self._wants_energy(n)
-            try:
-                self.integrator.step(md)
-            except Exception as exc:
-                _prefix_step(exc, n)
-                raise
-            md.step, md.time = n, md.time + self.integrator.timestep
-            self.timing.tick(n)
-            self._report(n)
-            if self.checkpoint is not None and self.checkpoint_every and n % self.checkpoint_every == 0:
-                self.save_checkpoint()
+        with scheduled_collection() as collect:  # no full garbage collection mid-run (see .collection)
+            for _ in range(steps):
+                if self.integrator.converged:
+                    break
+                n = md.step + 1
+                self._step(n)
+                collect(n)
         if self.checkpoint is not None and self._last_checkpoint != md.step:
             self.save_checkpoint()
         for r in self.reporters:
             r.finish(self)
         return self
+
+    def _step(self, n: int) -> None:
+        """Step ``n``: integrate, then report and checkpoint as asked."""
+        md = self.md
+        md.want_stress = self._wants_stress(n)
+        md.want_energy = self._wants_energy(n)
+        try:
+            self.integrator.step(md)
+        except Exception as exc:
+            _prefix_step(exc, n)
+            raise
+        md.step, md.time = n, md.time + self.integrator.timestep
+        self.timing.tick(n)
+        self._report(n)
+        if self.checkpoint is not None and self.checkpoint_every and n % self.checkpoint_every == 0:
+            self.save_checkpoint()
 
     def _start(self) -> None:
         md = self.md
