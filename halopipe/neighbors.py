@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from vesin import NeighborList as _VesinNeighborList
 
-from .allocator import ScratchPool
 from .kernels.backend import warp_module
 from .kernels.pairs import launch, warp_kernel
+from .scratch import ScratchPool
 
 _LISTS = "_warp_lists"  # the Warp source of the pair search and the list filter
 

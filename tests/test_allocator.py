@@ -60,22 +60,3 @@ def test_a_freed_block_stays_in_the_heap() -> None:
 def test_the_environment_turns_it_off() -> None:
     applied, mapped, *_ = _probe("on", dict(os.environ, HALOPIPE_KEEP_FREED_MEMORY="0"))
     assert not applied and mapped >= 16 * MIB
-
-
-def test_a_scratch_pool_hands_back_given_buffers_and_grows_new_ones() -> None:
-    import torch
-
-    from halopipe.allocator import ScratchPool
-
-    pool = ScratchPool(keep=1)
-    first = pool.take_flat(800, torch.int64, "cpu")
-    assert first.numel() >= 800  # an eighth more than asked, for requests that wander
-    pool.give_flat(first)
-    again = pool.take_flat(850, torch.int64, "cpu")
-    assert again.data_ptr() == first.data_ptr()  # the same memory, not a fresh allocation
-    larger = pool.take_flat(2000, torch.int64, "cpu")  # nothing long enough is free
-    assert larger.numel() >= 2000 and larger.data_ptr() != first.data_ptr()
-    pool.give_flat(again)
-    pool.give_flat(larger)  # keep=1: only the longest stays
-    assert pool.take_flat(10, torch.int64, "cpu").data_ptr() == larger.data_ptr()
-    assert pool.take_flat(10, torch.int64, "cpu").data_ptr() not in (first.data_ptr(), larger.data_ptr())

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..allocator import ScratchPool
 from ..geometry import Geometry
+from ..scratch import ScratchPool
 from .backend import warp_module
 from .pairs import launch, warp_kernel
 

@@ -78,7 +78,6 @@ from dataclasses import dataclass
 import torch
 from ase import units
 
-from ..allocator import ScratchPool
 from ..kernels.dftd3 import (
     keeps_chain_terms,
     keeps_sparse_chain_terms,
@@ -90,6 +89,7 @@ from ..kernels.dftd3 import (
 )
 from ..kernels.mesh import gather_values, spread_values
 from ..meshfft import LocalMeshTransform, MeshTransform
+from ..scratch import ScratchPool
 from .base import LocalView, ModelOutput, check_positive_length
 from .dftd3 import _C6, DEFAULT_ATM_CUTOFF, DEFAULT_CN_CUTOFF, DFTD3, K1, K3, MAX_Z, coordination_numbers
 from .particle_mesh import MAX_MESH_POINTS, CotangentCheck, Stencil, half_spectrum_multiplicity, influence, mesh_size, same_tensor

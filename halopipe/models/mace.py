@@ -83,6 +83,13 @@ def _check_supported(module: torch.nn.Module) -> None:
         )
 
 
+def _product_on_rows(product, node_feats, sc, attrs, rows):
+    """The product block on every row (``rows`` None: the wide halo) or on ``rows`` only (the owned rows, layer mode)."""
+    if rows is None:
+        return _product(product, node_feats, sc, attrs)
+    return _product(product, node_feats[rows], None if sc is None else sc[rows], attrs[rows])
+
+
 def _product(product: torch.nn.Module, node_feats: torch.Tensor, sc: torch.Tensor | None, attrs: torch.Tensor) -> torch.Tensor:
     """mace's product block on some rows, also on none (a rank that owns no atoms).
 
@@ -348,9 +355,7 @@ class MACE(Model):
                 cutoff=cutoff,
                 first_layer=(k == 0),
             )
-            if wide:
-                return _product(product, node_feats, sc, attrs)
-            return _product(product, node_feats[owned], None if sc is None else sc[owned], attrs[owned])
+            return _product_on_rows(product, node_feats, sc, attrs, None if wide else owned)
 
         return layer
 
@@ -369,9 +374,7 @@ class MACE(Model):
 
         def produce(attrs, node_feats, message, owned):
             sc = interaction.skip_tp(node_feats, attrs) if type(interaction) is _edge_sum_blocks()[0] else None
-            if wide:
-                return _product(product, message, sc, attrs)
-            return _product(product, message[owned], None if sc is None else sc[owned], attrs[owned])
+            return _product_on_rows(product, message, sc, attrs, None if wide else owned)
 
         run, total = self.stages.run, None
         size = max(-(-edge_index.shape[1] // EDGE_SLICES), 1)
