@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from halopipe.distributed.affinity import bind_local_rank, cores_for_rank
+from halopipe.distributed.affinity import bind_local_rank, cores_for_rank, cpu_list
 from halopipe.distributed.launch import spawn
 
 from ._workers import affinity
@@ -17,6 +17,19 @@ def test_cores_for_rank_hands_out_consecutive_cores_in_order():
     assert cores_for_rank(1, 2, 1, [3, 1]) == [3]
     assert cores_for_rank(1, 2, 2, [0, 1, 2, 3]) == [2, 3]
     assert cores_for_rank(2, 3, 2, list(range(8))) == [4, 5]
+
+
+def test_ranks_take_one_thread_of_each_core_before_any_second_thread():
+    side_by_side = lambda cpu: [cpu - cpu % 2, cpu - cpu % 2 + 1]  # noqa: E731 - CPUs 0-1 one core, 2-3 the next, ...
+    apart = lambda cpu: [cpu % 4, cpu % 4 + 4]  # noqa: E731 - CPUs 0-3 four cores, 4-7 their second threads
+    assert [cores_for_rank(r, 2, 2, list(range(8)), side_by_side) for r in range(2)] == [[0, 2], [4, 6]]
+    assert [cores_for_rank(r, 2, 2, list(range(8)), apart) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [cores_for_rank(r, 8, 1, list(range(8)), side_by_side) for r in (3, 4)] == [[6], [1]]  # then second threads
+
+
+def test_linux_cpu_lists_are_read():
+    assert cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert cpu_list("5") == [5]
 
 
 @pytest.mark.parametrize("args", [(0, 3, 1, [0, 1]), (0, 2, 2, [0, 1, 2]), (2, 2, 1, [0, 1]), (0, 1, 0, [0])])
