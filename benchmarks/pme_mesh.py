@@ -123,7 +123,7 @@ def main() -> None:
         for mesh in args.mesh:
             res = {mode: spawn(run, p, mode, mesh, args.repeats, timeout=900)[0] for mode in ("replicated", "distributed")}
             r, d = res["replicated"], res["distributed"]
-            times = [f"{x[0] * 1e3:.0f}" for x in (r, d)]
+            times = [f"{x[0] * 1e3:.1f}" for x in (r, d)]
             memory = [f"{x[1]:.1f}" for x in (r, d)]
             sent = [f"{x[2] / 1e6:.2f}" for x in (r, d)]
             rows.append([p, f"{mesh}^3", *times, *memory, *sent])

@@ -56,10 +56,11 @@ interpolates at its owned atoms. The backward again reuses the potential
 forces, stress and ``dE/dq`` equal the replicated mesh to rounding, and
 memory and bytes per rank are ``O(M / P)`` plus the box.
 
-``mesh="auto"`` (the default) uses the distributed mesh from 64^3 points on
+``mesh="auto"`` (the default) uses the distributed mesh from 40^3 points on
 2-3 ranks and from 32^3 on 4 or more (``DISTRIBUTED_MESH_MIN_POINTS``, the
-crossover measured by ``benchmarks/pme_mesh.py``, see docs/benchmarks.md);
-on one process the mesh is always local.
+crossover measured by ``benchmarks/pme_mesh.py``, see docs/benchmarks.md; on
+2 ranks it fell from 64^3 once the transposes and box maps stopped copying
+twice); on one process the mesh is always local.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ _MESH_MODES = ("auto", "replicated", "distributed", "slab", "pencil")  # the las
 # PME(mesh="auto") crossover by number of ranks sharing the mesh, measured with benchmarks/pme_mesh.py
 # (docs/benchmarks.md): on 2 ranks the distributed mesh sends slightly more bytes than the all-reduce and
 # saves memory and time from 64^3; on 4 or more it sends fewer bytes and uses less memory from 32^3.
-DISTRIBUTED_MESH_MIN_POINTS = {2: 64**3, 4: 32**3}
+DISTRIBUTED_MESH_MIN_POINTS = {2: 40**3, 4: 32**3}
 
 
 # --------------------------------------------------------------------- mesh
