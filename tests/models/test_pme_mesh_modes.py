@@ -90,7 +90,7 @@ class _Parts:
 def test_auto_mode_follows_the_measured_crossover():
     pme = PME(cutoff=5.0, mesh="auto")
     assert not pme._distributes(_Parts(1, (128, 128, 128)))
-    assert not pme._distributes(_Parts(2, (48, 48, 48))) and pme._distributes(_Parts(2, (64, 64, 64)))
+    assert not pme._distributes(_Parts(2, (32, 32, 32))) and pme._distributes(_Parts(2, (40, 40, 40)))
     assert not pme._distributes(_Parts(4, (24, 24, 24))) and pme._distributes(_Parts(4, (32, 32, 32)))
     assert PME(cutoff=5.0, mesh="distributed")._distributes(_Parts(1, (8, 8, 8)))
     assert not PME(cutoff=5.0, mesh="replicated")._distributes(_Parts(8, (128, 128, 128)))
