@@ -195,8 +195,9 @@ class Comm:
             return
         dtype = outs[me].dtype
         others = [r for r in range(self.size) if r != me]
-        self.all_to_all_bytes += sum(sends[r].numel() * sends[r].element_size() for r in others)
-        self.bytes_sent += sum(sends[r].numel() * sends[r].element_size() for r in others)
+        sent = sum(sends[r].numel() * sends[r].element_size() for r in others)
+        self.all_to_all_bytes += sent
+        self.bytes_sent += sent
         self.messages_sent += sum(1 for r in others if sends[r].numel())
         self.collectives += 1
         self._tag += 1

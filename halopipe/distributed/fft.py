@@ -402,6 +402,18 @@ def _slice_pairs(axes: tuple[tuple[Run, ...], ...]) -> list[tuple[tuple[slice, .
     return pairs
 
 
+def _messages(source: torch.Tensor, pairs: dict, shapes: dict) -> dict[int, torch.Tensor]:
+    """Per peer, a message of ``shapes[peer]`` (after the batch axes) filled from ``source`` by its (message, source) slice pairs."""
+    batch = tuple(source.shape[:-3])
+    out = {}
+    for peer, peer_pairs in pairs.items():
+        message = source.new_empty(batch + shapes[peer])
+        for into, out_of in peer_pairs:
+            message[(..., *into)] = source[(..., *out_of)]
+        out[peer] = message
+    return out
+
+
 class BlockBoxMap(BoxMap):
     """A rank's periodic box of mesh points mapped onto the ranks' blocks (see the module docstring).
 
@@ -425,40 +437,35 @@ class BlockBoxMap(BoxMap):
             for i, j in (divmod(s, columns) for s in range(comm.size))
         ]
         # What my box sends to each block: message positions -> box positions, per axis.
-        self.send_runs: dict[int, tuple[tuple[Run, ...], ...]] = {}
+        send_runs: dict[int, tuple[tuple[Run, ...], ...]] = {}
         # What each box sends to my block: message positions -> block positions, per axis.
-        self.recv_runs: dict[int, tuple[tuple[Run, ...], ...]] = {}
+        recv_runs: dict[int, tuple[tuple[Run, ...], ...]] = {}
         g0, g1 = _wrapped(mine[0], self.extent[0], sizes[0]), _wrapped(mine[1], self.extent[1], sizes[1])
         for s, (b0, b1) in enumerate(bounds):
             lines0, lines1 = _inside(g0, b0).nonzero()[:, 0], _inside(g1, b1).nonzero()[:, 0]
             if lines0.numel() and lines1.numel() and self.extent[2]:
-                self.send_runs[s] = (_runs(lines0), _runs(lines1), ((0, 0, self.extent[2]),))
+                send_runs[s] = (_runs(lines0), _runs(lines1), ((0, 0, self.extent[2]),))
         (a0, _), (a1, _) = bounds[comm.rank]
         for r, box in enumerate(boxes):
             lo_r, ext_r = box[:3], box[3:]
             h0, h1 = _wrapped(lo_r[0], ext_r[0], sizes[0]), _wrapped(lo_r[1], ext_r[1], sizes[1])
             in0, in1 = h0[_inside(h0, bounds[comm.rank][0])], h1[_inside(h1, bounds[comm.rank][1])]
             if in0.numel() and in1.numel() and ext_r[2]:
-                self.recv_runs[r] = (_runs(in0 - a0), _runs(in1 - a1), _runs(_wrapped(lo_r[2], ext_r[2], sizes[2])))
+                recv_runs[r] = (_runs(in0 - a0), _runs(in1 - a1), _runs(_wrapped(lo_r[2], ext_r[2], sizes[2])))
         me = comm.rank
-        self.send_shapes = {s: tuple(sum(n for _, _, n in runs) for runs in axes) for s, axes in self.send_runs.items()}
-        self.recv_shapes = {r: tuple(sum(n for _, _, n in runs) for runs in axes) for r, axes in self.recv_runs.items()}
-        self.send_pairs = {s: _slice_pairs(axes) for s, axes in self.send_runs.items() if s != me}  # message <- box
-        self.recv_pairs = {r: _slice_pairs(axes) for r, axes in self.recv_runs.items() if r != me}  # message -> block
-        mine_both = me in self.send_runs and me in self.recv_runs
+        self.send_shapes = {s: tuple(sum(n for _, _, n in runs) for runs in axes) for s, axes in send_runs.items()}
+        self.recv_shapes = {r: tuple(sum(n for _, _, n in runs) for runs in axes) for r, axes in recv_runs.items()}
+        self.send_pairs = {s: _slice_pairs(axes) for s, axes in send_runs.items() if s != me}  # message <- box
+        self.recv_pairs = {r: _slice_pairs(axes) for r, axes in recv_runs.items() if r != me}  # message -> block
+        mine_both = me in send_runs and me in recv_runs
         self.own_pairs = (  # box -> my block, for the points my box shares with my block
-            _slice_pairs(tuple(_composed(a, b) for a, b in zip(self.send_runs[me], self.recv_runs[me]))) if mine_both else []
+            _slice_pairs(tuple(_composed(a, b) for a, b in zip(send_runs[me], recv_runs[me]))) if mine_both else []
         )
 
     def _scatter_sum(self, box: torch.Tensor) -> torch.Tensor:
         """Box values -> my block, each mesh point summed over all boxes holding it."""
         t, batch = self.t, tuple(box.shape[:-3])
-        sends = {}
-        for s, pairs in self.send_pairs.items():
-            message = box.new_empty(batch + self.send_shapes[s])
-            for into, out_of in pairs:
-                message[(..., *into)] = box[(..., *out_of)]
-            sends[s] = message
+        sends = _messages(box, self.send_pairs, self.send_shapes)
         shapes = {r: batch + shape for r, shape in self.recv_shapes.items() if r in self.recv_pairs}
         got = t.comm.exchange(sends, shapes, box.dtype, box.device)
         block = box.new_zeros(batch + t.real_shape())
@@ -472,12 +479,7 @@ class BlockBoxMap(BoxMap):
     def _gather(self, block: torch.Tensor) -> torch.Tensor:
         """My block -> every box's values at its points (the adjoint of :meth:`_scatter_sum`)."""
         batch = tuple(block.shape[:-3])
-        sends = {}
-        for r, pairs in self.recv_pairs.items():
-            message = block.new_empty(batch + self.recv_shapes[r])
-            for into, out_of in pairs:
-                message[(..., *into)] = block[(..., *out_of)]
-            sends[r] = message
+        sends = _messages(block, self.recv_pairs, self.recv_shapes)
         shapes = {s: batch + shape for s, shape in self.send_shapes.items() if s in self.send_pairs}
         got = self.t.comm.exchange(sends, shapes, block.dtype, block.device)
         box = block.new_zeros(batch + self.extent)
