@@ -107,14 +107,13 @@ def lj_direct(
         energies, forces, w = _lj_direct_eager(rows, half, tables, n_owned)
         return (energies if energy else None), forces, (w if virial else None)
     single, inputs = _kernel_inputs(rows, half, tables, n_owned)
-    forces = rows.new_zeros(n_owned, 3)
-    energies = rows.new_zeros(n_owned) if energy else None
-    rest = rows.new_zeros(n_owned, 3) if virial else forces
-    ghost_forces = rows.new_zeros(rows.shape[0] - n_owned, 3) if virial else forces
-    outputs = [rows.new_empty(0) if energies is None else energies, forces, rest, ghost_forces]  # unwritten placeholders
-    launch(kernels[single, energy, virial], n_owned, rows.device, [*inputs, n_owned, tables.cutoff**2], outputs)
-    w = _share_virial(rows, torch.cat([forces + rest, ghost_forces]), n_owned) if virial else None
-    return energies, forces, w
+    forces = torch.zeros_like(rows)  # every row: the kernel writes ghost ends too rather than branch on them
+    energies = rows.new_zeros(rows.shape[0]) if energy else rows.new_empty(0)
+    rest = rows.new_zeros(n_owned, 3) if virial else rows.new_empty(0, 3)
+    launch(kernels[single, energy, virial], n_owned, rows.device, [*inputs, n_owned, tables.cutoff**2], [energies, forces, rest])
+    # A ghost pair counts half in this rank's share: half of each ghost row's force, and ``rest`` on the owned rows.
+    w = _share_virial(rows, torch.cat([forces[:n_owned] + rest, 0.5 * forces[n_owned:]]), n_owned) if virial else None
+    return (energies[:n_owned] if energy else None), forces[:n_owned], w
 
 
 def _lj_direct_eager(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int):
