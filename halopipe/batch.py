@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .domain import DEFAULT_SKIN, Domain, LocalDomain, next_plan_version
+from .neighbors import GroupedPairs
 from .system import System
 
 __all__ = ["Batch", "BatchDomain", "BatchPlacement", "PER_SYSTEM_KEYS"]
@@ -228,35 +229,35 @@ class BatchDomain(LocalDomain):
         """Owned ``positions`` under a per-system ``strain`` (B, 3, 3): ``r @ strain[system of r]``."""
         return torch.einsum("ni,nij->nj", positions, strain[self.system])
 
-    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> GroupedPairs | torch.Tensor:
         """Each system's own candidate pairs (searched and kept by its part), renumbered into the batch's rows.
 
-        No pair crosses systems; half lists grouped by owned row stay grouped
-        (owned rows are in system order), so their offsets concatenate.
+        No pair crosses systems; half lists stay grouped by owned row (owned
+        rows are in system order), so their offsets concatenate.
         """
-        if cutoff <= 0.0:
-            return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
         key = (n_ghost, float(cutoff), half)
         if key in self._pair_lists_of_plan:
             return self._pair_lists_of_plan[key]
         n = self.n_owned
         per_system = torch.bincount(self.ghost_system[:n_ghost], minlength=self.n_systems).tolist()
-        pairs, offsets, total = [], [torch.zeros(1, dtype=torch.int32, device=rows.device)], 0
+        found = []
         for b, (part, n_ghost_b) in enumerate(zip(self.parts, per_system)):
             owned, slots = self.part_rows(b), self._slots[b][:n_ghost_b]
-            found, start = part.candidate_pairs(torch.cat([rows[owned], rows[n + slots]]), n_ghost_b, cutoff, half)
             index = torch.cat([torch.arange(owned.start, owned.stop, device=rows.device), n + slots])
-            pairs.append(index[found])
-            if found.shape[1] == 0:  # no pairs (one atom, or none): every owned row's group is empty
-                start = torch.zeros(part.n_owned + 1, dtype=torch.int32, device=rows.device)
-            if offsets is not None and start is not None:
-                offsets.append(start[1:].to(torch.int32) + total)
-            else:
-                offsets = None  # some system's list is not grouped by owned row (no Warp, or a full list)
-            total += int(found.shape[1])
-        merged = (torch.cat(pairs, dim=1), torch.cat(offsets) if offsets is not None else None)
+            found.append((index, part.candidate_pairs(torch.cat([rows[owned], rows[n + slots]]), n_ghost_b, cutoff, half)))
+        merged = _merged_half_lists(found, rows.device) if half else torch.cat([index[pairs] for index, pairs in found], dim=1)
         self._pair_lists_of_plan[key] = merged
         return merged
+
+
+def _merged_half_lists(found: list[tuple[torch.Tensor, GroupedPairs]], device: torch.device) -> GroupedPairs:
+    """One grouped list of the systems' grouped lists: partners renumbered by ``index``, offsets shifted by the pairs before."""
+    partners, offsets, total = [], [torch.zeros(1, dtype=torch.int32, device=device)], 0
+    for index, grouped in found:
+        partners.append(index[grouped.partners.long()].to(torch.int32))
+        offsets.append(grouped.start[1:] + total)
+        total += grouped.n_pairs
+    return GroupedPairs(torch.cat(partners), torch.cat(offsets))
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 
 from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
-from .neighbors import PairLists, max_displacement
+from .neighbors import GroupedPairs, PairLists, max_displacement
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
@@ -225,19 +225,19 @@ class Domain:
         owned, ghosts = cached[2]
         return owned, ghosts[:n_ghost]
 
-    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Owned-centred candidate pairs within ``cutoff + skin`` among ``rows``, once per plan, and their offsets.
+    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> GroupedPairs | torch.Tensor:
+        """Owned-centred candidate pairs within ``cutoff + skin`` among ``rows``, once per plan.
 
         ``rows``: the owned rows, then ``n_ghost`` ghost rows (detached).
-        ``half``: each pair once (:func:`~halopipe.neighbors.grouped_owned_half_pairs`,
-        offsets when grouped by owned row), else both directions from owned
-        centres (offsets None). Kept in this domain's
+        ``half``: each pair once, grouped by owned row
+        (:func:`~halopipe.neighbors.grouped_owned_half_pairs`), else ``(2, P)``
+        pairs in both directions from owned centres. Kept in this domain's
         :class:`~halopipe.neighbors.PairLists` until the plan changes; a
         model that pairs nothing (``cutoff <= 0``, D3's lattice sums) gets an
         empty list without a search.
         """
         if cutoff <= 0.0:
-            return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
+            return GroupedPairs.empty(self.n_owned, rows.device) if half else torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
         if self._pair_lists is None:
             self._pair_lists = PairLists()
         reach = float(cutoff) + self.skin

@@ -18,6 +18,7 @@ a wider one.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -36,6 +37,7 @@ __all__ = [
     "row_centred_pairs",
     "owned_half_pairs",
     "grouped_owned_half_pairs",
+    "GroupedPairs",
     "narrower_half_pairs",
     "owned_pairs_cell_list",
     "pair_vectors",
@@ -72,6 +74,54 @@ def neighbor_list(
     )
 
 
+class GroupedPairs:
+    """A half list grouped by owned row, in the kernels' form: row ``a``'s partners are ``partners[start[a]:start[a + 1]]``.
+
+    ``partners`` (P,) and ``start`` (``n_owned + 1``) are int32, what the
+    Warp kernels read; the searches write only these (a rebuild of 1.5 M
+    pairs writes 6 MB instead of a 24 MB ``(2, P)`` int64 list). The
+    ``(2, P)`` int64 pairs, owned row first, are made on first use
+    (:attr:`pairs`) and kept, so models that index with them pay once per
+    rebuild, and models that read the int32 form never do.
+    """
+
+    def __init__(self, partners: torch.Tensor, start: torch.Tensor) -> None:
+        self.partners = partners
+        self.start = start
+
+    @staticmethod
+    def empty(n_owned: int, device: torch.device | str) -> GroupedPairs:
+        """No pairs for ``n_owned`` rows."""
+        return GroupedPairs(torch.zeros(0, dtype=torch.int32, device=device), torch.zeros(n_owned + 1, dtype=torch.int32, device=device))
+
+    @staticmethod
+    def from_pairs(pairs: torch.Tensor, n_owned: int) -> GroupedPairs:
+        """Group a half list ``(2, P)`` (owned end first) by owned row; a stable sort keeps each row's order."""
+        first = pairs[0]
+        if first.numel() > 1 and not bool((first[1:] >= first[:-1]).all()):
+            pairs = pairs[:, torch.argsort(first, stable=True)]
+        start = torch.zeros(n_owned + 1, dtype=torch.int32, device=pairs.device)
+        start[1:] = torch.cumsum(torch.bincount(pairs[0], minlength=n_owned), 0)
+        grouped = GroupedPairs(pairs[1].to(torch.int32), start)
+        grouped.__dict__["pairs"] = pairs.to(torch.int64)  # already made: no need to rebuild it from the int32 form
+        return grouped
+
+    @property
+    def n_owned(self) -> int:
+        return int(self.start.numel()) - 1
+
+    @property
+    def n_pairs(self) -> int:
+        return int(self.partners.numel())
+
+    @functools.cached_property
+    def pairs(self) -> torch.Tensor:
+        """``(2, P)`` int64: the owned row of each pair, then its partner."""
+        counts = torch.diff(self.start).long()
+        first = torch.repeat_interleave(torch.arange(self.n_owned, device=self.start.device), counts, output_size=self.n_pairs)
+        return torch.stack([first, self.partners.long()])
+
+
 def owned_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor:
     """Directed pairs ``(i, j)`` within ``cutoff`` of rows, with ``i < n_owned``.
 
@@ -101,30 +151,26 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     owned row); without it, vesin over all rows (which also pays for
     ghost-ghost pairs), or the torch cell list when the halo is wide.
     """
-    return grouped_owned_half_pairs(rows, n_owned, cutoff)[0]
+    return grouped_owned_half_pairs(rows, n_owned, cutoff).pairs
 
 
-def grouped_owned_half_pairs(
-    rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`owned_half_pairs` and, when the pairs come grouped by owned row (the Warp search), their offsets.
+def grouped_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None = None) -> GroupedPairs:
+    """:func:`owned_half_pairs` grouped by owned row (:class:`GroupedPairs`), in a deterministic order.
 
-    Returns ``pairs`` (2, P) and ``start`` (``n_owned + 1`` int32 offsets: row
-    ``a``'s pairs are ``start[a] .. start[a + 1]``), or ``None`` for ``start``
-    when the search does not group (without Warp). ``pool``: where the Warp
-    search takes its per-row slots from and gives them back (tens of MB,
-    reused from rebuild to rebuild instead of faulted in afresh).
+    ``pool``: where the Warp search takes its per-row slots from and gives
+    them back (tens of MB, reused from rebuild to rebuild instead of faulted
+    in afresh).
     """
     if not 0 <= n_owned <= rows.shape[0]:  # the owned rows are a prefix of the rows: the kernels read every owned row
         raise ValueError(f"owned-centred pair search: n_owned={n_owned} must be between 0 and the {rows.shape[0]} rows")
     if rows.shape[0] < 2 or n_owned == 0:
-        return torch.zeros(2, 0, dtype=torch.int64, device=rows.device), None
+        return GroupedPairs.empty(n_owned, rows.device)
     if warp_kernel("owned_half_fill", _LISTS) is not None:
         return _warp_owned_half_pairs(rows, n_owned, cutoff, pool)
     if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs
         i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
         keep = (j >= n_owned) | (i < j)
-        return torch.stack([i[keep], j[keep]]), None
+        return GroupedPairs.from_pairs(torch.stack([i[keep], j[keep]]), n_owned)
     nl = _VesinNeighborList(cutoff=float(cutoff), full_list=False)
     a, b = nl.compute(points=_np(rows), box=np.zeros((3, 3)), periodic=False, quantities="ij", copy=True)
     a = torch.as_tensor(a.astype(np.int64), device=rows.device)
@@ -132,39 +178,28 @@ def grouped_owned_half_pairs(
     keep = (a < n_owned) | (b < n_owned)
     a, b = a[keep], b[keep]
     a_first = a < n_owned
-    return torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)]), None
+    return GroupedPairs.from_pairs(torch.stack([torch.where(a_first, a, b), torch.where(a_first, b, a)]), n_owned)
 
 
-def narrower_half_pairs(
-    pairs: torch.Tensor, start: torch.Tensor | None, rows: torch.Tensor, cutoff: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def narrower_half_pairs(wider: GroupedPairs, rows: torch.Tensor, cutoff: float) -> GroupedPairs:
     """The pairs of a wider half list that a narrower view keeps: partner among ``rows``, length within ``cutoff``.
 
-    ``pairs`` is a half list of the same plan over more rows (``rows`` is a
+    ``wider`` is a half list of the same plan over more rows (``rows`` is a
     prefix of its rows: ghosts are sorted by distance) at a cutoff of at least
     ``cutoff``; the result is exactly the list a fresh search over ``rows`` at
-    ``cutoff`` finds, in the wider list's order. With ``start`` (the wider
-    list grouped by owned row, ``n_owned + 1`` offsets) and Warp, one thread
-    per owned row counts and then writes its kept pairs, and the result's
-    offsets come back too; otherwise a torch mask (and ``None`` offsets).
+    ``cutoff`` finds, in the wider list's order. With Warp, one thread per
+    owned row counts and then writes its kept partners; otherwise a torch mask.
     """
-    if start is not None and pairs.shape[1] > 0 and warp_kernel("half_list_fill", _LISTS) is not None:
-        return _warp_narrower_half_pairs(pairs, start, rows, cutoff)
-    pairs = pairs[:, pairs[1] < rows.shape[0]]
+    if wider.n_pairs > 0 and warp_kernel("half_list_fill", _LISTS) is not None:
+        pos = rows.detach().to(torch.float64).contiguous()
+        inputs = [pos, wider.start, wider.partners, rows.shape[0], float(cutoff) ** 2]
+        return _grouped_two_passes("half_list", wider.n_owned, rows.device, inputs)
+    pairs = wider.pairs[:, wider.pairs[1] < rows.shape[0]]
     d = rows[pairs[1]] - rows[pairs[0]]
-    return pairs[:, (d * d).sum(dim=1) <= cutoff * cutoff], None
+    return GroupedPairs.from_pairs(pairs[:, (d * d).sum(dim=1) <= cutoff * cutoff], wider.n_owned)
 
 
-def _warp_narrower_half_pairs(
-    pairs: torch.Tensor, start: torch.Tensor, rows: torch.Tensor, cutoff: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`narrower_half_pairs` in Warp: one thread per owned row over its pairs of the wider list."""
-    pos = rows.detach().to(torch.float64).contiguous()
-    inputs = [pos, start, pairs[1].contiguous(), rows.shape[0], float(cutoff) ** 2]
-    return _grouped_two_passes("half_list", start.numel() - 1, rows.device, inputs)
-
-
-def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None) -> GroupedPairs:
     """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
 
     Rows are binned into cubes (:func:`_cube_edge`) and sorted by cube, owned
@@ -172,8 +207,7 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     within ``cutoff`` (3 x 3 or 5 x 5 lines of contiguous cubes, each trimmed
     to the cutoff sphere) for ghosts, and their upper half for owned rows
     (each owned pair once, from the end that sorts first). Pairs come out
-    grouped by ``i`` in a deterministic order, with their ``n_owned + 1``
-    offsets.
+    grouped by ``i`` in a deterministic order.
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
@@ -198,7 +232,7 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     grid = [pos, pos[order], order.to(torch.int32), slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
     capacity = _slot_capacity(cell_start, n_cells, float(cutoff) / edge)
     inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
-    if n_owned * capacity * 8 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
+    if n_owned * capacity * 4 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
         return _grouped_two_passes("owned_half", n_owned, device, [*inputs, 0])
     return _owned_half_one_pass(n_owned, device, inputs, capacity, pool or ScratchPool())
 
@@ -224,7 +258,7 @@ def _cube_edge(cutoff: float, density: float) -> float:
 
 
 PAIR_SLOT_BYTES = 512 << 20
-"""Memory the one-pass search may fill with its rows' slots (:func:`_slot_capacity` partners each, 8 bytes a partner)."""
+"""Memory the one-pass search may fill with its rows' slots (:func:`_slot_capacity` partners each, 4 bytes a partner)."""
 
 
 def _slot_capacity(cell_start: torch.Tensor, n_cells: int, reach_in_cubes: float) -> int:
@@ -242,42 +276,37 @@ def _slot_capacity(cell_start: torch.Tensor, n_cells: int, reach_in_cubes: float
     return int(1.3 * per_cube * (4.0 / 3.0) * math.pi * reach_in_cubes**3) + 16
 
 
-def _owned_half_one_pass(
-    n_owned: int, device: torch.device, inputs: list, capacity: int, pool: ScratchPool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _owned_half_one_pass(n_owned: int, device: torch.device, inputs: list, capacity: int, pool: ScratchPool) -> GroupedPairs:
     """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows."""
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
-    slots = pool.take_flat(n_owned * capacity, torch.int64, device)
-    nothing32 = torch.empty(0, dtype=torch.int32, device=device)
-    nothing64 = torch.empty(0, dtype=torch.int64, device=device)
-    launch(warp_kernel("owned_half_slots", _LISTS), n_owned, device, [*inputs, capacity, nothing32], [nothing64, slots, counts])
+    slots = pool.take_flat(n_owned * capacity, torch.int32, device)
+    nothing = torch.empty(0, dtype=torch.int32, device=device)
+    launch(warp_kernel("owned_half_slots", _LISTS), n_owned, device, [*inputs, capacity, nothing], [slots, counts])
     start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
     torch.cumsum(counts, 0, out=start[1:])
-    pairs = torch.empty(2, int(start[-1]), dtype=torch.int64, device=device)
+    partners = torch.empty(int(start[-1]), dtype=torch.int32, device=device)
     if int(counts.max()) <= capacity:
-        launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, capacity, start], [pairs[0], pairs[1]])
+        launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, capacity, start], [partners])
     else:  # a row outgrew its slots: the counts are known, so one more pass writes the pairs
-        launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*inputs, 0, start], [pairs[0], pairs[1], nothing32])
+        launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, nothing])
     pool.give_flat(slots)
-    return pairs, start
+    return GroupedPairs(partners, start)
 
 
-def _grouped_two_passes(kernels: str, n_owned: int, device: torch.device, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_two_passes(kernels: str, n_owned: int, device: torch.device, inputs: list) -> GroupedPairs:
     """Run the Warp pair of kernels ``{kernels}_count`` and ``{kernels}_fill`` over the owned rows.
 
     The first counts each row's pairs, a prefix sum makes the offsets, the
-    second writes the pairs: (2, P) int64 grouped by owned row, and their
-    ``n_owned + 1`` int32 offsets.
+    second writes the partners, grouped by owned row.
     """
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
-    nothing32 = torch.empty(0, dtype=torch.int32, device=device)
-    nothing64 = torch.empty(0, dtype=torch.int64, device=device)
-    launch(warp_kernel(f"{kernels}_count", _LISTS), n_owned, device, [*inputs, nothing32], [nothing64, nothing64, counts])
+    nothing = torch.empty(0, dtype=torch.int32, device=device)
+    launch(warp_kernel(f"{kernels}_count", _LISTS), n_owned, device, [*inputs, nothing], [nothing, counts])
     start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
     torch.cumsum(counts, 0, out=start[1:])
-    pairs = torch.empty(2, int(start[-1]), dtype=torch.int64, device=device)
-    launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, start], [pairs[0], pairs[1], nothing32])
-    return pairs, start
+    partners = torch.empty(int(start[-1]), dtype=torch.int32, device=device)
+    launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, start], [partners, nothing])
+    return GroupedPairs(partners, start)
 
 
 def row_centred_pairs(rows: torch.Tensor, cutoff: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -403,9 +432,9 @@ class PairLists:
     plan and distinct ``(n_ghost, cutoff, half)``, so models with equal
     widths and cutoffs share one; a half list is filtered from a wider
     cached one of the same plan when there is one (a narrower view's rows are
-    a prefix of a wider view's: :func:`narrower_half_pairs`). Entries are
-    ``(pairs, start)``: ``start`` holds the offsets of lists grouped by
-    owned row (else None). Lists of older plans are dropped.
+    a prefix of a wider view's: :func:`narrower_half_pairs`). Half lists are
+    :class:`GroupedPairs`, full lists ``(2, P)`` tensors. Lists of older
+    plans are dropped.
     """
 
     def __init__(self) -> None:
@@ -415,8 +444,8 @@ class PairLists:
 
     def candidates(
         self, version: int, rows: torch.Tensor, n_owned: int, n_ghost: int, reach: float, cutoff: float, half: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Pairs within ``reach`` (the model's ``cutoff`` plus the skin) for plan ``version``, and their offsets."""
+    ) -> GroupedPairs | torch.Tensor:
+        """Pairs within ``reach`` (the model's ``cutoff`` plus the skin) for plan ``version``: grouped if ``half``."""
         if version != self._version:
             self._lists, self._version = {}, version
         key = (n_ghost, cutoff, half)
@@ -425,12 +454,11 @@ class PairLists:
             return found
         wider = [c for k, c in self._lists.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
         if wider:
-            pairs, start = min(wider, key=lambda c: c[0].shape[1])
-            found = narrower_half_pairs(pairs, start, rows, reach)
+            found = narrower_half_pairs(min(wider, key=lambda c: c.n_pairs), rows, reach)
         elif half:
             found = grouped_owned_half_pairs(rows, n_owned, reach, self._scratch)
         else:
-            found = (owned_pairs(rows, n_owned, reach), None)
+            found = owned_pairs(rows, n_owned, reach)
         self._lists[key] = found
         return found
 

@@ -539,7 +539,7 @@ def build_view(
         return torch.cat([x, domain.ghost_rows(x, width)])
 
     half = bool(getattr(model, "half_list", False))
-    candidates, offsets = domain.candidate_pairs(rows.detach(), n_ghost, float(model.cutoff), half)
+    candidates = domain.candidate_pairs(rows.detach(), n_ghost, float(model.cutoff), half)
     if half:
         pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
     else:
@@ -564,7 +564,7 @@ def build_view(
         cutoff=float(model.cutoff),
         half_list=vec is None,
         mesh_transform=domain.mesh_transform,
-        pair_offsets=offsets if half else None,  # a full list was compacted above: offsets no longer hold
+        pair_offsets=candidates.start if half else None,
         need_energy=need_energy,
         need_virial=need_virial,
         system=domain.row_systems(n_ghost) if domain.system is not None else None,

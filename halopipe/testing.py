@@ -255,8 +255,7 @@ def _collectives(model, view: LocalView, direct: bool) -> tuple[list[str], objec
     log: list[str] = []
     rows = view.positions.detach().requires_grad_(True)
     vectors = rows[view.pairs[1]] - rows[view.pairs[0]]
-    view = replace(
-        view,
+    view = view.replace(
         positions=rows,
         vectors=vectors,
         distances=vectors.norm(dim=1),

@@ -130,7 +130,9 @@ def test_every_path_of_the_warp_search_gives_the_pairs_grouped_by_owned_row(sear
     elif search == "two_passes":
         monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
     rows, n_owned, cutoff = torch.tensor(np.random.default_rng(11).uniform(-2, 12, (400, 3))), 150, 3.1
-    got, start = neighbors.grouped_owned_half_pairs(rows, n_owned, cutoff)
+    grouped = neighbors.grouped_owned_half_pairs(rows, n_owned, cutoff)
+    got, start = grouped.pairs, grouped.start
+    assert grouped.partners.dtype == start.dtype == torch.int32 and torch.equal(grouped.partners.long(), got[1])
     r = torch.cdist(rows, rows)
     i, j = torch.nonzero(r <= cutoff, as_tuple=True)
     want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
@@ -166,14 +168,15 @@ def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
     domain.prepare(6.5)
     n_owned = domain.n_owned
     wide_rows = _view_rows(domain, 6.5)
-    wide, start = grouped_owned_half_pairs(wide_rows, n_owned, 7.0)
-    assert (start is not None) == (kernels == "warp")
-    if kernels == "warp":  # the search's offsets, which views pass on as pair_offsets, agree with a bincount
-        assert bool((wide[0, 1:] >= wide[0, :-1]).all())
-        assert torch.equal(start[1:].long(), torch.cumsum(torch.bincount(wide[0], minlength=n_owned), 0))
+    wide_list = grouped_owned_half_pairs(wide_rows, n_owned, 7.0)
+    wide, start = wide_list.pairs, wide_list.start
+    # grouped by owned row whichever search ran (the torch paths sort), with offsets a bincount agrees with
+    assert bool((wide[0, 1:] >= wide[0, :-1]).all())
+    assert torch.equal(start[1:].long(), torch.cumsum(torch.bincount(wide[0], minlength=n_owned), 0))
     for width, reach in [(6.5, 5.2), (4.0, 7.0), (3.5, 4.0), (0.5, 1.5)]:  # fewer ghosts and/or a shorter cutoff
         rows = _view_rows(domain, width)
-        got, got_start = narrower_half_pairs(wide, start, rows, reach)
+        narrower = narrower_half_pairs(wide_list, rows, reach)
+        got, got_start = narrower.pairs, narrower.start
         r = torch.cdist(rows, rows)
         i, j = torch.nonzero(r <= reach, as_tuple=True)
         want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
@@ -181,12 +184,54 @@ def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
         assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want
         assert got.shape[1] == len(want) and bool((got[0] < n_owned).all())
         # the same pairs as a fresh search (which end of an owned pair comes first depends on the search's cubes)
-        fresh = grouped_owned_half_pairs(rows, n_owned, reach)[0]
+        fresh = grouped_owned_half_pairs(rows, n_owned, reach).pairs
         assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == {(min(a, b), max(a, b)) for a, b in fresh.T.tolist()}
         assert fresh.shape[1] == got.shape[1]
-        if kernels == "warp":  # still grouped by owned row, with offsets a bincount agrees with
-            assert bool((got[0, 1:] >= got[0, :-1]).all())
-            offsets = torch.cumsum(torch.bincount(got[0], minlength=n_owned), 0)
-            assert torch.equal(got_start[1:].long(), offsets) and int(got_start[0]) == 0
+        # still grouped by owned row, with offsets a bincount agrees with
+        assert bool((got[0, 1:] >= got[0, :-1]).all())
+        offsets = torch.cumsum(torch.bincount(got[0], minlength=n_owned), 0)
+        assert torch.equal(got_start[1:].long(), offsets) and int(got_start[0]) == 0
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()
+
+
+def test_grouped_pairs_hold_the_pairs_their_offsets_imply():
+    """A list grouped from shuffled pairs: offsets by a bincount, partners in each row's order, (2, P) made back exactly."""
+    from halopipe.neighbors import GroupedPairs
+
+    rng = np.random.default_rng(3)
+    first = torch.tensor(rng.integers(0, 6, 40))
+    pairs = torch.stack([first, torch.tensor(rng.integers(6, 30, 40))])
+    grouped = GroupedPairs.from_pairs(pairs, 7)  # row 6 has no pairs
+    want = sorted(range(40), key=lambda k: (int(first[k]), k))  # by owned row, each row's pairs in their given order
+    assert torch.equal(grouped.pairs, pairs[:, want])
+    assert torch.equal(grouped.start[1:].long(), torch.cumsum(torch.bincount(first, minlength=7), 0)) and int(grouped.start[0]) == 0
+    remade = GroupedPairs(grouped.partners, grouped.start)  # only the int32 form: (2, P) from the offsets
+    assert remade.partners.dtype == torch.int32 and torch.equal(remade.pairs, pairs[:, want]) and remade.n_owned == 7
+    empty = GroupedPairs.empty(4, "cpu")
+    assert empty.n_pairs == 0 and empty.pairs.shape == (2, 0) and empty.start.tolist() == [0] * 5
+
+
+def test_a_views_grouped_list_is_made_into_int64_pairs_only_when_a_model_reads_them():
+    """Lennard-Jones reads the int32 grouped list as it is; `pairs` on the view (or a replaced view) gives the (2, P) list."""
+    from halopipe import LennardJones, System
+    from halopipe.domain import LocalDomain
+    from halopipe.pipeline import Step, build_view
+
+    rng = np.random.default_rng(5)
+    cell = torch.eye(3, dtype=torch.float64) * 12.0
+    positions = torch.tensor(rng.uniform(0, 12, (60, 3)))
+    system = System(positions=positions, numbers=torch.full((60,), 18), cell=cell, pbc=torch.tensor([True] * 3))
+    model = LennardJones(0.01, 3.4, 5.0)
+    domain = LocalDomain(system, skin=0.5)
+    domain.prepare(model.halo)
+    view = build_view(domain, Step(model), model.halo, system.positions, cell, {})
+    grouped = view.half_pairs
+    assert grouped is not None and view.pair_offsets is grouped.start
+    model(view, direct=True)
+    assert "pairs" not in grouped.__dict__  # the kernel never needed the (2, P) int64 list
+    assert view.replace(need_energy=False).half_pairs is grouped
+    r = torch.cdist(view.positions, view.positions)
+    i, j = torch.nonzero(r <= 5.5, as_tuple=True)
+    want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < domain.n_owned}
+    assert {(min(a, b), max(a, b)) for a, b in view.pairs.T.tolist()} == want and view.pairs.shape[1] == len(want)

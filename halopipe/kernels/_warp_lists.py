@@ -44,9 +44,10 @@ def _owned_half_search(mode: int):
     one end, with half the scanning. ``reach_pad`` (a hair over the cutoff)
     only widens the trim, so rounding in the binning never drops a cube; the
     pair test is exact. ``COUNT`` stores per-row counts; ``FILL`` stores the
-    pairs from ``offsets[i]``; ``SLOTS`` stores row ``i``'s partners in
-    ``second[i * capacity ...]`` (no ``first``: the row is implied) and its
-    count, which may exceed ``capacity`` (those partners are not written).
+    partners from ``offsets[i]``; ``SLOTS`` stores row ``i``'s partners in
+    ``partners[i * capacity ...]`` and its count, which may exceed
+    ``capacity`` (those partners are not written). Only partners are
+    written, as int32: the row of a grouped list is implied by its offsets.
     Compiled variants, because a run-time "write?" test in the inner loop
     measured 40 % slower.
     """
@@ -67,8 +68,7 @@ def _owned_half_search(mode: int):
         rc2: wp.float64,
         capacity: wp.int32,
         offsets: wp.array(dtype=wp.int32),
-        first: wp.array(dtype=wp.int64),
-        second: wp.array(dtype=wp.int64),
+        partners: wp.array(dtype=wp.int32),
         counts: wp.array(dtype=wp.int32),
     ):
         i = wp.tid()
@@ -112,13 +112,9 @@ def _owned_half_search(mode: int):
                             j = order[s]
                             d = sorted_rows[s] - centre
                             keep = wp.dot(d, d) <= rc2
-                            if wp.static(mode == FILL):
+                            if wp.static(mode != COUNT):
                                 if n < end:
-                                    first[n] = wp.int64(i)
-                                    second[n] = wp.int64(j)
-                            elif wp.static(mode == SLOTS):
-                                if n < end:
-                                    second[n] = wp.int64(j)
+                                    partners[n] = j
                             n += wp.where(keep, 1, 0)
         if wp.static(mode == COUNT):
             counts[i] = n
@@ -135,19 +131,17 @@ owned_half_slots = _owned_half_search(SLOTS)
 
 @wp.kernel
 def compact_slots(
-    slots: wp.array(dtype=wp.int64),
+    slots: wp.array(dtype=wp.int32),
     capacity: wp.int32,
     start: wp.array(dtype=wp.int32),
-    first: wp.array(dtype=wp.int64),
-    second: wp.array(dtype=wp.int64),
+    partners: wp.array(dtype=wp.int32),
 ):
     """Row ``i``'s partners from its slots ``slots[i * capacity ...]`` to ``start[i] .. start[i + 1]`` (every row fits its slots)."""
     i = wp.tid()
     base = i * capacity
     out = start[i]
     for k in range(start[i + 1] - out):
-        first[out + k] = wp.int64(i)
-        second[out + k] = slots[base + k]
+        partners[out + k] = slots[base + k]
 
 
 def _half_list_filter(write: bool):
@@ -156,19 +150,18 @@ def _half_list_filter(write: bool):
     A pair is kept when its partner is among the narrower view's ``n_rows``
     rows (a prefix of the wider view's) and within the narrower reach. The
     counting variant (``write`` False) stores per-row counts; the writing one
-    stores the kept pairs from ``offsets[a]``, in the wider list's order.
+    stores the kept partners from ``offsets[a]``, in the wider list's order.
     """
 
     @wp.kernel
     def filter_rows(
         rows: wp.array(dtype=wp.vec3d),
         start: wp.array(dtype=wp.int32),
-        partner: wp.array(dtype=wp.int64),
-        n_rows: wp.int64,
+        partner: wp.array(dtype=wp.int32),
+        n_rows: wp.int32,
         rc2: wp.float64,
         offsets: wp.array(dtype=wp.int32),
-        first: wp.array(dtype=wp.int64),
-        second: wp.array(dtype=wp.int64),
+        kept: wp.array(dtype=wp.int32),
         counts: wp.array(dtype=wp.int32),
     ):
         a = wp.tid()
@@ -180,12 +173,11 @@ def _half_list_filter(write: bool):
             end = offsets[a + 1]
         for k in range(start[a], start[a + 1]):
             b = partner[k]
-            d = rows[wp.int32(wp.min(b, n_rows - wp.int64(1)))] - centre  # a row beyond the view reads a stand-in
+            d = rows[wp.min(b, n_rows - 1)] - centre  # a row beyond the view reads a stand-in
             keep = b < n_rows and wp.dot(d, d) <= rc2
             if wp.static(write):
                 if n < end:
-                    first[n] = wp.int64(a)
-                    second[n] = b
+                    kept[n] = b
             n += wp.where(keep, 1, 0)
         if not wp.static(write):
             counts[a] = n

@@ -65,7 +65,7 @@ def _kernel_inputs(rows, half: HalfList, tables: LJTables, n_owned: int) -> tupl
     """Whether the tables hold one pair type, and the inputs every Warp LJ kernel starts with."""
     single = tables.a12.numel() == 1
     grouped = half.grouped(n_owned)
-    ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.first  # unread with one type
+    ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.second  # unread with one type
     return single, [rows, grouped.start, grouped.second, ptype, tables.params]
 
 

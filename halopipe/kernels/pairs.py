@@ -14,28 +14,39 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from .backend import warp_module
 
-__all__ = ["HalfList", "HalfListCache", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
+__all__ = ["HalfList", "HalfListCache", "pair_list_key", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
 
 
-@dataclass(frozen=True)
 class HalfList:
     """Each unordered pair once (int32 indices, as Warp kernels want), with an optional per-pair type.
 
     ``start`` (optional, ``n_owned + 1`` offsets) says that the pairs are
     grouped by their owned row ``first``: row ``a``'s pairs are
-    ``start[a] .. start[a + 1]`` (see :meth:`grouped`).
+    ``start[a] .. start[a + 1]`` (see :meth:`grouped`). Given ``start``,
+    ``first`` may be None: it is implied by the offsets, and made from them
+    on first use (the row-grouped kernels never read it).
     """
 
-    first: torch.Tensor
-    second: torch.Tensor
-    ptype: torch.Tensor | None = None
-    start: torch.Tensor | None = None
+    def __init__(
+        self, first: torch.Tensor | None, second: torch.Tensor, ptype: torch.Tensor | None = None, start: torch.Tensor | None = None
+    ) -> None:
+        if first is None and start is None:
+            raise ValueError("HalfList: a list without its pairs' first rows must come grouped, with start offsets")
+        self._first, self.second, self.ptype, self.start = first, second, ptype, start
+
+    @property
+    def first(self) -> torch.Tensor:
+        """The owned row of each pair, int32."""
+        if self._first is None:
+            counts = torch.diff(self.start)
+            rows = torch.arange(counts.numel(), dtype=torch.int32, device=counts.device)
+            self._first = torch.repeat_interleave(rows, counts, output_size=self.n_pairs)
+        return self._first
 
     @staticmethod
     def from_pairs(
@@ -54,6 +65,18 @@ class HalfList:
             ptype = ptype[keep] if ptype is not None else None
         as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
         return HalfList(as32(pairs[0]), as32(pairs[1]), as32(ptype) if ptype is not None else None, start)
+
+    @staticmethod
+    def of_view(view) -> HalfList:
+        """A view's half list: its int32 grouped form as is when it has one (no copy), else :meth:`from_pairs`."""
+        grouped = view.half_pairs
+        if grouped is not None:
+            return HalfList(None, grouped.partners, None, grouped.start)
+        return HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, start=view.pair_offsets)
+
+    def typed(self, ptype: torch.Tensor) -> HalfList:
+        """The same pairs with per-pair types ``ptype``."""
+        return HalfList(self._first, self.second, ptype.to(torch.int32).contiguous(), self.start)
 
     def grouped(self, n_owned: int) -> HalfList:
         """The same pairs grouped by owned row, with ``start`` offsets (a stable sort only if not grouped yet).
@@ -75,26 +98,33 @@ class HalfList:
 
     @property
     def n_pairs(self) -> int:
-        return int(self.first.numel())
+        return int(self.second.numel())
+
+
+def pair_list_key(view):
+    """What identifies a view's candidate list until the next rebuild: its grouped list, else its pairs tensor."""
+    return view.half_pairs if view.half_pairs is not None else view.pairs
 
 
 class HalfListCache:
-    """A model's :class:`HalfList`, converted once per neighbour-list rebuild.
+    """A model's :class:`HalfList`, converted once per neighbour-list rebuild (keyed by :func:`pair_list_key`).
 
-    A view's candidate pairs are the same tensor object until the next
-    rebuild, so the tensor's identity keys the cache.
+    The key and its list are kept as one tuple and the list returned is the
+    one just made or found, so threads sharing a model (one per rank in a
+    test) never get each other's list.
     """
 
     def __init__(self) -> None:
-        self._pairs: torch.Tensor | None = None
-        self._half: HalfList | None = None
+        self._cached: tuple[object, HalfList] | None = None
 
-    def get(self, pairs: torch.Tensor, n_owned: int, is_half: bool) -> HalfList:
-        """The half list of ``pairs`` (see :meth:`HalfList.from_pairs`)."""
-        if pairs is not self._pairs:
-            self._half = HalfList.from_pairs(pairs, n_owned, is_half)
-            self._pairs = pairs
-        return self._half
+    def get(self, view) -> HalfList:
+        """The half list of ``view`` (see :meth:`HalfList.of_view`)."""
+        key, cached = pair_list_key(view), self._cached
+        if cached is not None and cached[0] is key:
+            return cached[1]
+        half = HalfList.of_view(view)
+        self._cached = (key, half)
+        return half
 
 
 def owned_weight(rows: torch.Tensor, n_owned: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..neighbors import GroupedPairs
 from .compile import CompiledStages
 
 __all__ = ["LocalView", "ModelOutput", "Model", "NonFiniteError", "check_positive_length", "virial_from_forces", "direct_by_local_autograd"]
@@ -69,7 +70,9 @@ class LocalView:
         each unordered pair within ``cutoff + skin`` with an owned end once,
         owned end first (owned-owned pairs once), the same tensor object
         until the next rebuild (so the model may cache what it derives from
-        them); the model masks by its cutoff itself.
+        them); the model masks by its cutoff itself. May be given as a
+        :class:`~halopipe.neighbors.GroupedPairs`, whose ``(2, P)`` tensor is
+        then made on first read (:attr:`half_pairs` reads the int32 form).
     vectors, distances : ``r_j - r_i`` and its length, differentiable (None
         when ``half_list``).
     fields : per-atom inputs on all R rows.
@@ -123,6 +126,20 @@ class LocalView:
         return int(self.positions.shape[0])
 
     @property
+    def half_pairs(self) -> GroupedPairs | None:
+        """The half list in the kernels' int32 form grouped by owned row, when the view was given one (else None).
+
+        The same object until the next rebuild. Kernels that read it never
+        make the ``(2, P)`` int64 :attr:`pairs`.
+        """
+        pairs = self.__dict__["_pairs"]
+        return pairs if isinstance(pairs, GroupedPairs) else None
+
+    def replace(self, **changes) -> LocalView:
+        """A copy with ``changes`` (as :func:`dataclasses.replace`), keeping a grouped half list grouped."""
+        return replace(self, **{"pairs": self.__dict__["_pairs"], **changes})
+
+    @property
     def n_systems(self) -> int:
         return 1 if self.system_sizes is None else int(self.system_sizes.shape[0])
 
@@ -148,6 +165,20 @@ class LocalView:
         if self.system is None:
             return torch.zeros(self.n_owned, dtype=torch.int64, device=self.positions.device)
         return self.system[: self.n_owned]
+
+
+def _get_pairs(view: LocalView) -> torch.Tensor:
+    pairs = view.__dict__["_pairs"]
+    return pairs.pairs if isinstance(pairs, GroupedPairs) else pairs
+
+
+def _set_pairs(view: LocalView, pairs: torch.Tensor | GroupedPairs) -> None:
+    view.__dict__["_pairs"] = pairs
+
+
+# ``pairs`` stays a dataclass field (a constructor argument, kept by ``replace``) that reads as a (2, P) tensor,
+# while a half list given grouped is materialized only when some model reads it.
+LocalView.pairs = property(_get_pairs, _set_pairs, doc="(2, P) int64 pairs (see the class docstring).")
 
 
 @dataclass
@@ -234,10 +265,10 @@ def direct_by_local_autograd(energy_fn: Callable[[LocalView], torch.Tensor], vie
     with torch.enable_grad():
         rows = view.positions.detach().requires_grad_(True)
         if view.half_list:  # the model's kernels read rows directly
-            local = replace(view, positions=rows)
+            local = view.replace(positions=rows)
         else:
             vectors = rows[view.pairs[1]] - rows[view.pairs[0]]
-            local = replace(view, positions=rows, vectors=vectors, distances=vectors.norm(dim=1))
+            local = view.replace(positions=rows, vectors=vectors, distances=vectors.norm(dim=1))
         energies = energy_fn(local)
         total = energies.sum() + 0.0 * rows.sum()  # keeps a graph on a rank without atoms
         (grad,) = torch.autograd.grad(total, rows)

@@ -114,7 +114,7 @@ class ChargeModel(Model):
             bad = int(z[~self.known[z]][0])
             raise ValueError(f"ChargeModel: no electronegativity for atomic number {bad}; pass electronegativity={{{bad}: value}}")
         dtype = view.positions.dtype
-        cn = coordination_autograd(view.positions, self._half.get(view.pairs, view.n_owned, view.half_list), self.cutoff, n)
+        cn = coordination_autograd(view.positions, self._half.get(view), self.cutoff, n)
         raw = self.chi[z].to(dtype) - self.weight[z].to(dtype) * cn
         excess = view.system_sum(raw) - self.total_charge  # per system: no charge moves between systems of a batch
         system = view.owned_system()

@@ -66,7 +66,7 @@ class DSFCoulomb(Model):
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         q = view.fields["charges"].to(view.positions.dtype)
         n = view.n_owned
-        half = self._half.get(view.pairs, view.n_owned, view.half_list)
+        half = self._half.get(view)
         self_energies = (-COULOMB_CONSTANT * self._self) * q[:n] * q[:n]
         if not direct:
             return ModelOutput(energies=coulomb_energies_autograd(view.positions, q, half, self._pair, n) + self_energies)

@@ -34,7 +34,7 @@ import math
 import torch
 
 from ..kernels.ewald import real_space_energies_autograd
-from ..kernels.pairs import HalfList
+from ..kernels.pairs import HalfListCache
 from .base import LocalView, Model, ModelOutput, check_positive_length
 from .coulomb import COULOMB_CONSTANT
 
@@ -212,19 +212,11 @@ class SplitCoulomb(Model):
         except ValueError as exc:
             raise ValueError(f"{self.name}: {exc}") from None
         self.cutoff, self.accuracy = float(cutoff), float(accuracy)
-        self._half: tuple | None = None  # (view pairs, HalfList) of the last rebuild
-
-    def _half_list(self, view: LocalView) -> HalfList:
-        cached = self._half
-        if cached is not None and cached[0] is view.pairs:
-            return cached[1]
-        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list)
-        self._half = (view.pairs, half)
-        return half
+        self._half = HalfListCache()  # the HalfList of the last rebuild
 
     def real_space(self, view: LocalView, charges: torch.Tensor) -> torch.Tensor:
         """Per-owned-atom real-space energy: half of ``k_e q_i q_j erfc(alpha r) / r`` per pair end (compiled kernel)."""
-        half = self._half_list(view)
+        half = self._half.get(view)
         return real_space_energies_autograd(view.positions, charges, half, self.cutoff, self.alpha, COULOMB_CONSTANT, view.n_owned)
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels.lennard_jones import LJTables, lj_direct, lj_energies_autograd
-from ..kernels.pairs import HalfList
+from ..kernels.pairs import HalfList, pair_list_key
 from .base import LocalView, Model, ModelOutput, check_positive_length
 
 __all__ = ["LennardJones"]
@@ -95,22 +95,24 @@ class LennardJones(Model):
 
     def _half_list(self, view: LocalView) -> tuple[HalfList, LJTables]:
         """Half list grouped by owned row and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
+        key = pair_list_key(view)
         cached = self._cached
-        if cached is not None and cached[0] is view.pairs:
+        if cached is not None and cached[0] is key:
             return cached[1], cached[2]
+        half = HalfList.of_view(view)
         species, species_index = torch.unique(view.numbers, return_inverse=True)
         if not bool(self.known[species][:, species].all()):  # some species pair lacks parameters: is it in the list?
-            zi, zj = view.numbers[view.pairs[0]], view.numbers[view.pairs[1]]
+            zi, zj = view.numbers[half.first], view.numbers[half.second]
             missing = ~self.known[zi, zj]
             if bool(missing.any()):
                 bad = int(missing.nonzero()[0])
                 raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
         n_species = int(species.numel())
-        # One species: a single pair type, which the kernel reads once per row instead of once per pair.
-        ptype = species_index[view.pairs[0]] * n_species + species_index[view.pairs[1]] if n_species > 1 else None
-        half = HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, ptype, view.pair_offsets).grouped(view.n_owned)
+        if n_species > 1:  # else a single pair type, which the kernel reads once per row instead of once per pair
+            half = half.typed(species_index[half.first] * n_species + species_index[half.second])
+        half = half.grouped(view.n_owned)
         tables = self._tables(species, view.positions.dtype)
-        self._cached = (view.pairs, half, tables)
+        self._cached = (key, half, tables)
         return half, tables
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
