@@ -238,6 +238,11 @@ def test_charge_kernels_warp_equal_their_torch_twins(monkeypatch, nacl):
     for w, t in zip(warp, twin):
         assert bool(t.abs().max() > 0)
         torch.testing.assert_close(w, t, atol=1e-12, rtol=1e-12)
+    # fixed charges: the kernel without dE/dq gives the same energies and forces, and no charge gradient
+    fixed = _with_backend(monkeypatch, "warp", lambda: coulomb_kernels.coulomb_terms(rows, charges, half, pair, weights, charge_grad=False))
+    assert fixed[2] is None
+    torch.testing.assert_close(fixed[0], twin[0], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(fixed[1], twin[1], atol=1e-12, rtol=1e-12)
 
 
 def test_check_model_of_dsf_with_each_backend(backend, nacl):

@@ -84,46 +84,57 @@ def erfc_given_gauss(x: wp.float64, gauss: wp.float64) -> wp.float64:
     return gauss * (wp.float64(0.5641895835477563) - tail) / x
 
 
-@wp.kernel
-def damped_coulomb_half_list(
-    rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
-    second: wp.array(dtype=wp.int32),
-    charges: wp.array(dtype=wp.float64),
-    weight: wp.array(dtype=wp.float64),
-    rc: wp.float64,
-    alpha: wp.float64,
-    coulomb: wp.float64,
-    k_shift: wp.float64,
-    k_slope: wp.float64,
-    energies: wp.array(dtype=wp.float64),
-    forces: wp.array(dtype=wp.vec3d),
-    charge_grad: wp.array(dtype=wp.float64),
-):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc * rc:  # a candidate within the skin, not the cutoff
-        return
-    r = wp.sqrt(r2)
-    exp_ar2 = wp.exp(-alpha * alpha * r2)
-    screened = coulomb * erfc_given_gauss(alpha * r, exp_ar2) / r  # k_e erfc(alpha r) / r
-    pair = screened - k_shift + k_slope * (r - rc)  # u / (q_a q_b); Ewald's real space has no shift or slope
-    qa = charges[a]
-    qb = charges[b]
-    half = wp.float64(0.5) * qa * qb * pair
-    wp.atomic_add(energies, a, half)
-    wp.atomic_add(energies, b, half)
-    c = wp.float64(0.5) * (weight[a] + weight[b])
-    wp.atomic_add(charge_grad, a, c * qb * pair)
-    wp.atomic_add(charge_grad, b, c * qa * pair)
-    # -du/dr / r = q_a q_b ((screened + gauss) / r^2 - k_slope / r), gauss = k_e 2 alpha / sqrt(pi) exp(-alpha^2 r^2)
-    gauss = coulomb * wp.float64(1.1283791670955126) * alpha * exp_ar2
-    f = (c * qa * qb * ((screened + gauss) / r2 - k_slope / r)) * d
-    wp.atomic_add(forces, b, f)
-    wp.atomic_sub(forces, a, f)
+def _damped_coulomb(charge_gradients: bool):
+    """The damped Coulomb pair kernel, with or without ``dE/dq`` (fixed charges need none: two atomic adds a pair less)."""
+
+    @wp.kernel
+    def damped_coulomb(
+        rows: wp.array(dtype=wp.vec3d),
+        first: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        charges: wp.array(dtype=wp.float64),
+        weight: wp.array(dtype=wp.float64),
+        rc: wp.float64,
+        alpha: wp.float64,
+        coulomb: wp.float64,
+        k_shift: wp.float64,
+        k_slope: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        charge_grad: wp.array(dtype=wp.float64),
+    ):
+        k = wp.tid()
+        a = first[k]
+        b = second[k]
+        d = rows[b] - rows[a]
+        r2 = wp.dot(d, d)
+        if r2 > rc * rc:  # a candidate within the skin, not the cutoff
+            return
+        r = wp.sqrt(r2)
+        inv_r = wp.float64(1.0) / r  # one division for the three quotients by r
+        exp_ar2 = wp.exp(-alpha * alpha * r2)
+        screened = coulomb * erfc_given_gauss(alpha * r, exp_ar2) * inv_r  # k_e erfc(alpha r) / r
+        pair = screened - k_shift + k_slope * (r - rc)  # u / (q_a q_b); Ewald's real space has no shift or slope
+        qa = charges[a]
+        qb = charges[b]
+        half = wp.float64(0.5) * qa * qb * pair
+        wp.atomic_add(energies, a, half)
+        wp.atomic_add(energies, b, half)
+        c = wp.float64(0.5) * (weight[a] + weight[b])
+        if wp.static(charge_gradients):
+            wp.atomic_add(charge_grad, a, c * qb * pair)
+            wp.atomic_add(charge_grad, b, c * qa * pair)
+        # -du/dr / r = q_a q_b ((screened + gauss) / r - k_slope) / r, gauss = k_e 2 alpha / sqrt(pi) exp(-alpha^2 r^2)
+        gauss = coulomb * wp.float64(1.1283791670955126) * alpha * exp_ar2
+        f = (c * qa * qb * ((screened + gauss) * inv_r - k_slope) * inv_r) * d
+        wp.atomic_add(forces, b, f)
+        wp.atomic_sub(forces, a, f)
+
+    return damped_coulomb
+
+
+damped_coulomb_half_list = _damped_coulomb(charge_gradients=True)
+damped_coulomb_half_list_fixed_charges = _damped_coulomb(charge_gradients=False)
 
 
 @wp.kernel

@@ -54,30 +54,36 @@ def _torch_kernel(rows, charges, half: HalfList, p: DampedCoulomb, weight, energ
 
 
 def coulomb_terms(
-    rows: torch.Tensor, charges: torch.Tensor, half: HalfList, pair: DampedCoulomb, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row energies (R,), forces (R, 3) = ``-d(sum_i weight_i e_i)/d(rows)`` and ``d(sum_i weight_i e_i)/dq`` (R,)."""
+    rows: torch.Tensor, charges: torch.Tensor, half: HalfList, pair: DampedCoulomb, weight: torch.Tensor, charge_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-row energies (R,), forces (R, 3) = ``-d(sum_i weight_i e_i)/d(rows)`` and ``d(sum_i weight_i e_i)/dq`` (R,).
+
+    ``charge_grad`` False: the charges need no gradient (fixed charges), and
+    None comes back in its place.
+    """
     rows, charges = rows.detach().contiguous(), charges.detach().to(rows.dtype).contiguous()
     energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
-    forces, charge_grad = torch.zeros_like(rows), torch.zeros_like(energies)
+    forces, grad = torch.zeros_like(rows), torch.zeros_like(energies)
     if half.n_pairs == 0:
-        return energies, forces, charge_grad
-    kernel = warp_kernel("damped_coulomb_half_list", "_warp_electrostatics") if rows.dtype == torch.float64 else None
+        return energies, forces, grad if charge_grad else None
+    name = "damped_coulomb_half_list" + ("" if charge_grad else "_fixed_charges")
+    kernel = warp_kernel(name, "_warp_electrostatics") if rows.dtype == torch.float64 else None
     if kernel is None:
-        _torch_kernel(rows, charges, half, pair, weight, energies, forces, charge_grad)
-        return energies, forces, charge_grad
+        _torch_kernel(rows, charges, half, pair, weight, energies, forces, grad)
+        return energies, forces, grad if charge_grad else None
     k_shift, k_slope = pair.coulomb * pair.shift, pair.coulomb * pair.slope
     inputs = [rows, half.first, half.second, charges, weight.contiguous(), pair.cutoff, pair.alpha, pair.coulomb, k_shift, k_slope]
-    launch(kernel, half.n_pairs, rows.device, inputs, [energies, forces, charge_grad])
-    return energies, forces, charge_grad
+    launch(kernel, half.n_pairs, rows.device, inputs, [energies, forces, grad if charge_grad else grad[:0]])
+    return energies, forces, grad if charge_grad else None
 
 
 class _CoulombEnergies(torch.autograd.Function):
-    """Owned pair energies with an analytic backward to rows and charges."""
+    """Owned pair energies with an analytic backward to rows and charges (to charges only when they need it)."""
 
     @staticmethod
     def forward(ctx, rows, charges, half: HalfList, pair: DampedCoulomb, n_owned: int):
-        energies, forces, charge_grad = coulomb_terms(rows, charges, half, pair, owned_weight(rows, n_owned))
+        wants_q = ctx.needs_input_grad[1]
+        energies, forces, charge_grad = coulomb_terms(rows, charges, half, pair, owned_weight(rows, n_owned), wants_q)
         ctx.save_for_backward(rows, charges, forces, charge_grad)
         ctx.half, ctx.pair, ctx.n_owned = half, pair, n_owned
         return energies[:n_owned]
@@ -89,9 +95,9 @@ class _CoulombEnergies(torch.autograd.Function):
         scale = uniform_scale(grad)
         if scale is None:  # per-atom weights: one more kernel pass with them
             weight = torch.cat([grad, grad.new_zeros(rows.shape[0] - ctx.n_owned)])
-            _, forces, charge_grad = coulomb_terms(rows, charges, ctx.half, ctx.pair, weight)
+            _, forces, charge_grad = coulomb_terms(rows, charges, ctx.half, ctx.pair, weight, charge_grad is not None)
             scale = 1.0
-        return -scale * forces, (scale * charge_grad).to(charges.dtype), None, None, None
+        return -scale * forces, None if charge_grad is None else (scale * charge_grad).to(charges.dtype), None, None, None
 
 
 def coulomb_energies_autograd(rows: torch.Tensor, charges: torch.Tensor, half: HalfList, pair: DampedCoulomb, n_owned: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ class DSFCoulomb(Model):
         self_energies = (-COULOMB_CONSTANT * self._self) * q[:n] * q[:n]
         if not direct:
             return ModelOutput(energies=coulomb_energies_autograd(view.positions, q, half, self._pair, n) + self_energies)
-        energies, forces, _ = coulomb_terms(view.positions, q, half, self._pair, owned_weight(view.positions, n))
+        energies, forces, _ = coulomb_terms(view.positions, q, half, self._pair, owned_weight(view.positions, n), charge_grad=False)
         # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
         centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
         return ModelOutput(energies=energies[:n] + self_energies, forces=forces, virial=virial_from_forces(view.positions - centre, forces))
