@@ -48,7 +48,7 @@ def test_weighted_backward_matches_autograd_of_pair_formula(backend):
     rows = torch.tensor(atoms.positions, dtype=torch.float64)
     n = rows.shape[0]
     pairs = owned_half_pairs(rows, n, 4.5)
-    half = pair_kernels.HalfList.from_pairs(pairs, n, True, torch.zeros(pairs.shape[1], dtype=torch.int64))
+    half = pair_kernels.HalfList.from_pairs(pairs, n, True)
     model = LennardJones(0.0103, 3.4, 4.0)
     tables = model._tables(torch.tensor([18]), torch.float64)
     weights = torch.linspace(0.5, 2.0, n, dtype=torch.float64)
@@ -88,7 +88,7 @@ def test_owned_rows_beyond_the_rows_are_refused():
 
 def test_empty_view_gives_zero_energy(backend):
     rows = torch.zeros(0, 3, dtype=torch.float64, requires_grad=True)
-    half = pair_kernels.HalfList.from_pairs(torch.zeros(2, 0, dtype=torch.int64), 0, True, torch.zeros(0, dtype=torch.int64))
+    half = pair_kernels.HalfList.from_pairs(torch.zeros(2, 0, dtype=torch.int64), 0, True)
     tables = LennardJones()._tables(torch.tensor([18]), torch.float64)
     e = lj_kernels.lj_energies_autograd(rows, half, tables, 0)
     assert e.shape == (0,)

@@ -8,6 +8,7 @@ row.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,21 +20,32 @@ __all__ = ["LJTables", "lj_energy_forces", "lj_direct", "lj_energies_autograd"]
 
 @dataclass(frozen=True)
 class LJTables:
-    """Per species pair (flattened): ``a12``, ``b6`` and ``shift = u_LJ(r_c)`` (0 if unshifted); the cutoff."""
+    """Per species pair (flattened ``ti * T + tj``): ``a12``, ``b6`` and ``shift = u_LJ(r_c)`` (0 if unshifted); the cutoff.
+
+    ``row_type``: the species index ``t`` of each row of the view, int32
+    (None when every row is of one species: one pair type).
+    """
 
     a12: torch.Tensor
     b6: torch.Tensor
     shift: torch.Tensor
     cutoff: float
+    row_type: torch.Tensor | None = None
 
     @property
     def params(self) -> torch.Tensor:
-        """``(a12, b6, shift)`` per pair type, ``(T, 3)``, as the Warp kernel reads them."""
+        """``(a12, b6, shift)`` per pair type, ``(T * T, 3)``, as the Warp kernel reads them."""
         return torch.stack([self.a12, self.b6, self.shift], dim=1).contiguous()
 
+    @property
+    def n_types(self) -> int:
+        return math.isqrt(self.a12.numel())
 
-def _pair_types(half: HalfList) -> torch.Tensor:
-    return half.ptype.long() if half.ptype is not None else torch.zeros_like(half.first, dtype=torch.long)
+
+def _pair_types(half: HalfList, tables: LJTables) -> torch.Tensor:
+    if tables.row_type is None:
+        return torch.zeros_like(half.second, dtype=torch.long)
+    return (tables.row_type[half.first] * tables.n_types + tables.row_type[half.second]).long()
 
 
 def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces, rest=None) -> None:
@@ -49,7 +61,7 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
     inside = r2 <= tables.cutoff**2
     inv2 = torch.where(inside, 1.0 / r2, torch.zeros_like(r2))
     inv6 = inv2 * inv2 * inv2
-    t = _pair_types(half)
+    t = _pair_types(half, tables)
     a12, b6 = tables.a12[t], tables.b6[t]
     half_u = torch.where(inside, 0.5 * ((a12 * inv6 - b6) * inv6 - tables.shift[t]), torch.zeros_like(r2))
     energies.index_add_(0, first, half_u).index_add_(0, second, half_u)
@@ -63,10 +75,10 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
 
 def _kernel_inputs(rows, half: HalfList, tables: LJTables, n_owned: int) -> tuple[bool, list]:
     """Whether the tables hold one pair type, and the inputs every Warp LJ kernel starts with."""
-    single = tables.a12.numel() == 1
+    single = tables.row_type is None
     grouped = half.grouped(n_owned)
-    ptype = grouped.ptype if grouped.ptype is not None and not single else grouped.second  # unread with one type
-    return single, [rows, grouped.start, grouped.second, ptype, tables.params]
+    row_type = grouped.second if single else tables.row_type  # unread with one type
+    return single, [rows, grouped.start, grouped.second, row_type, tables.n_types, tables.params]
 
 
 def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ __all__ = ["HalfList", "HalfListCache", "pair_list_key", "owned_weight", "unifor
 
 
 class HalfList:
-    """Each unordered pair once (int32 indices, as Warp kernels want), with an optional per-pair type.
+    """Each unordered pair once (int32 indices, as Warp kernels want).
 
     ``start`` (optional, ``n_owned + 1`` offsets) says that the pairs are
     grouped by their owned row ``first``: row ``a``'s pairs are
@@ -32,12 +32,10 @@ class HalfList:
     on first use (the row-grouped kernels never read it).
     """
 
-    def __init__(
-        self, first: torch.Tensor | None, second: torch.Tensor, ptype: torch.Tensor | None = None, start: torch.Tensor | None = None
-    ) -> None:
+    def __init__(self, first: torch.Tensor | None, second: torch.Tensor, start: torch.Tensor | None = None) -> None:
         if first is None and start is None:
             raise ValueError("HalfList: a list without its pairs' first rows must come grouped, with start offsets")
-        self._first, self.second, self.ptype, self.start = first, second, ptype, start
+        self._first, self.second, self.start = first, second, start
 
     @property
     def first(self) -> torch.Tensor:
@@ -49,34 +47,27 @@ class HalfList:
         return self._first
 
     @staticmethod
-    def from_pairs(
-        pairs: torch.Tensor, n_owned: int, is_half: bool, ptype: torch.Tensor | None = None, start: torch.Tensor | None = None
-    ) -> HalfList:
+    def from_pairs(pairs: torch.Tensor, n_owned: int, is_half: bool, start: torch.Tensor | None = None) -> HalfList:
         """From a view's pairs: a half list as is, or a directed owned-centred list halved.
 
         A directed list holds owned-owned pairs in both directions; one
-        direction (``i < j``) is kept. ``ptype`` (per pair of ``pairs``) is
-        filtered alike. ``start``: the offsets of a half list that comes
-        grouped by owned row (a view's ``pair_offsets``), kept as they are.
+        direction (``i < j``) is kept. ``start``: the offsets of a half list
+        that comes grouped by owned row (a view's ``pair_offsets``), kept as
+        they are.
         """
         if not is_half:
             keep = (pairs[1] >= n_owned) | (pairs[0] < pairs[1])
             pairs, start = pairs[:, keep], None
-            ptype = ptype[keep] if ptype is not None else None
         as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-        return HalfList(as32(pairs[0]), as32(pairs[1]), as32(ptype) if ptype is not None else None, start)
+        return HalfList(as32(pairs[0]), as32(pairs[1]), start)
 
     @staticmethod
     def of_view(view) -> HalfList:
         """A view's half list: its int32 grouped form as is when it has one (no copy), else :meth:`from_pairs`."""
         grouped = view.half_pairs
         if grouped is not None:
-            return HalfList(None, grouped.partners, None, grouped.start)
+            return HalfList(None, grouped.partners, grouped.start)
         return HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, start=view.pair_offsets)
-
-    def typed(self, ptype: torch.Tensor) -> HalfList:
-        """The same pairs with per-pair types ``ptype``."""
-        return HalfList(self._first, self.second, ptype.to(torch.int32).contiguous(), self.start)
 
     def grouped(self, n_owned: int) -> HalfList:
         """The same pairs grouped by owned row, with ``start`` offsets (a stable sort only if not grouped yet).
@@ -87,14 +78,13 @@ class HalfList:
         """
         if self.start is not None:
             return self
-        first, second, ptype = self.first, self.second, self.ptype
+        first, second = self.first, self.second
         if first.numel() > 1 and not bool((first[1:] >= first[:-1]).all()):
             order = torch.argsort(first, stable=True)
             first, second = first[order].contiguous(), second[order].contiguous()
-            ptype = ptype[order].contiguous() if ptype is not None else None
         start = torch.zeros(n_owned + 1, dtype=torch.int32, device=first.device)
         start[1:] = torch.cumsum(torch.bincount(first.long(), minlength=n_owned), 0)
-        return HalfList(first, second, ptype, start)
+        return HalfList(first, second, start)
 
     @property
     def n_pairs(self) -> int:

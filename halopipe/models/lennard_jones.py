@@ -83,15 +83,19 @@ class LennardJones(Model):
         self.register_buffer("known", k1 & k2)
         self._cached: tuple | None = None  # (candidates, HalfList, LJTables) of the last rebuild
 
-    def _tables(self, species: torch.Tensor, dtype: torch.dtype) -> LJTables:
-        """Kernel parameter tables over the species pairs present, flattened ``(zi, zj) -> zi * S + zj``."""
+    def _tables(self, species: torch.Tensor, dtype: torch.dtype, row_type: torch.Tensor | None = None) -> LJTables:
+        """Kernel parameter tables over the species pairs present, flattened ``(ti, tj) -> ti * S + tj``.
+
+        ``row_type``: each row's index into ``species`` (None with one species).
+        """
         eps = self.epsilon[species][:, species].reshape(-1).to(dtype)
         sig = self.sigma[species][:, species].reshape(-1).to(dtype)
         sig6 = sig**6
         a12, b6 = 4.0 * eps * sig6 * sig6, 4.0 * eps * sig6
         rc6 = self.cutoff**6
         shift = a12 / (rc6 * rc6) - b6 / rc6 if self.shift else torch.zeros_like(a12)
-        return LJTables(a12.contiguous(), b6.contiguous(), shift.contiguous(), self.cutoff)
+        row_type = None if row_type is None else row_type.to(torch.int32).contiguous()
+        return LJTables(a12.contiguous(), b6.contiguous(), shift.contiguous(), self.cutoff, row_type)
 
     def _half_list(self, view: LocalView) -> tuple[HalfList, LJTables]:
         """Half list grouped by owned row and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
@@ -99,7 +103,7 @@ class LennardJones(Model):
         cached = self._cached
         if cached is not None and cached[0] is key:
             return cached[1], cached[2]
-        half = HalfList.of_view(view)
+        half = HalfList.of_view(view).grouped(view.n_owned)
         species, species_index = torch.unique(view.numbers, return_inverse=True)
         if not bool(self.known[species][:, species].all()):  # some species pair lacks parameters: is it in the list?
             zi, zj = view.numbers[half.first], view.numbers[half.second]
@@ -107,11 +111,8 @@ class LennardJones(Model):
             if bool(missing.any()):
                 bad = int(missing.nonzero()[0])
                 raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
-        n_species = int(species.numel())
-        if n_species > 1:  # else a single pair type, which the kernel reads once per row instead of once per pair
-            half = half.typed(species_index[half.first] * n_species + species_index[half.second])
-        half = half.grouped(view.n_owned)
-        tables = self._tables(species, view.positions.dtype)
+        # One species: a single pair type, which the kernel reads once per row instead of once per pair.
+        tables = self._tables(species, view.positions.dtype, species_index if species.numel() > 1 else None)
         self._cached = (key, half, tables)
         return half, tables
 
