@@ -237,7 +237,7 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     return _owned_half_one_pass(n_owned, device, inputs, capacity, pool or ScratchPool())
 
 
-SPHERE_ROWS_FOR_HALF_CUBES = 350
+SPHERE_ROWS_FOR_HALF_CUBES = 150
 """Rows in a cutoff sphere above which the search bins by cubes of half the cutoff rather than the cutoff (:func:`_cube_edge`)."""
 
 
@@ -248,10 +248,12 @@ def _cube_edge(cutoff: float, density: float) -> float:
     costing a set-up (its trim to the sphere: ~20 ns on one AMD EPYC thread)
     besides its rows (~2.8 ns each); cubes of edge ``cutoff`` scan 9 lines of
     about 9 rho rc^3 rows in all, cubes of ``cutoff / 2`` 25 lines of 6.25 rho rc^3.
-    The set-ups win below about 350 rows per sphere (Lennard-Jones argon at 9.5 Å:
-    ~100 rows, 30 ms instead of 45 ms for 32,000 owned rows), the rows above
-    (D3's 21 Å coordination sphere: ~2,000). The hair keeps the reach at 1 or 2
-    cubes whatever the rounding of the binning.
+    Measured on the one-pass search: the two cost the same at ~100-140 rows per
+    sphere (Lennard-Jones argon at 9.5 Å, 32,000 owned rows: 30 ms either way;
+    NaCl at 9 Å: 4.5 ms), and half cubes win above (the demo composite's 11 Å
+    sphere, ~250 rows: 11 ms instead of 14 ms for 8,000 owned rows; D3's 21 Å
+    coordination sphere, ~2,000 rows, by far). The hair keeps the reach at 1 or
+    2 cubes whatever the rounding of the binning.
     """
     sphere_rows = density * 4.0 / 3.0 * math.pi * cutoff**3
     return cutoff * ((0.5 if sphere_rows > SPHERE_ROWS_FOR_HALF_CUBES else 1.0) + 1e-9)
