@@ -90,8 +90,9 @@ _MAX_ORDER = 5  # default_mesh_spacing is fitted for orders 3..5 (the mesh kerne
 _MIN_ORDER = 3  # orders 1-2 give discontinuous forces and need absurdly fine meshes
 _MESH_MODES = ("auto", "replicated", "distributed", "slab", "pencil")  # the last two force a decomposition
 # PME(mesh="auto") crossover by number of ranks sharing the mesh, measured with benchmarks/pme_mesh.py
-# (docs/benchmarks.md): on 2 ranks the distributed mesh sends slightly more bytes than the all-reduce and
-# saves memory and time from 64^3; on 4 or more it sends fewer bytes and uses less memory from 32^3.
+# (docs/benchmarks.md): on 2 ranks the distributed mesh (in-place transposes, box maps by slices) is as fast
+# as the replicated one from ~32^3 and faster above 40^3; on 4 or more it sends fewer bytes and uses less
+# memory from 32^3.
 DISTRIBUTED_MESH_MIN_POINTS = {2: 40**3, 4: 32**3}
 
 
