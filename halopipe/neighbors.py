@@ -26,7 +26,7 @@ import torch
 from vesin import NeighborList as _VesinNeighborList
 
 from .kernels.backend import warp_module
-from .kernels.pairs import launch, warp_kernel
+from .kernels.pairs import group_by_row, launch, rows_of_groups, warp_kernel
 from .scratch import ScratchPool
 
 _LISTS = "_warp_lists"  # the Warp source of the pair search and the list filter
@@ -97,13 +97,9 @@ class GroupedPairs:
     @staticmethod
     def from_pairs(pairs: torch.Tensor, n_owned: int) -> GroupedPairs:
         """Group a half list ``(2, P)`` (owned end first) by owned row; a stable sort keeps each row's order."""
-        first = pairs[0]
-        if first.numel() > 1 and not bool((first[1:] >= first[:-1]).all()):
-            pairs = pairs[:, torch.argsort(first, stable=True)]
-        start = torch.zeros(n_owned + 1, dtype=torch.int32, device=pairs.device)
-        start[1:] = torch.cumsum(torch.bincount(pairs[0], minlength=n_owned), 0)
-        grouped = GroupedPairs(pairs[1].to(torch.int32), start)
-        grouped.__dict__["pairs"] = pairs.to(torch.int64)  # already made: no need to rebuild it from the int32 form
+        first, second, start = group_by_row(pairs[0], pairs[1], n_owned)
+        grouped = GroupedPairs(second.to(torch.int32), start)
+        grouped.__dict__["pairs"] = torch.stack([first, second]).to(torch.int64)  # made already: not remade from the int32 form
         return grouped
 
     @property
@@ -117,9 +113,7 @@ class GroupedPairs:
     @functools.cached_property
     def pairs(self) -> torch.Tensor:
         """``(2, P)`` int64: the owned row of each pair, then its partner."""
-        counts = torch.diff(self.start).long()
-        first = torch.repeat_interleave(torch.arange(self.n_owned, device=self.start.device), counts, output_size=self.n_pairs)
-        return torch.stack([first, self.partners.long()])
+        return torch.stack([rows_of_groups(self.start, torch.int64), self.partners.long()])
 
 
 def owned_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.Tensor:

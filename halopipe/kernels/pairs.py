@@ -19,7 +19,34 @@ import torch
 
 from .backend import warp_module
 
-__all__ = ["HalfList", "HalfListCache", "pair_list_key", "owned_weight", "uniform_scale", "warp_kernel", "launch"]
+__all__ = [
+    "HalfList",
+    "HalfListCache",
+    "pair_list_key",
+    "group_by_row",
+    "rows_of_groups",
+    "owned_weight",
+    "uniform_scale",
+    "warp_kernel",
+    "launch",
+]
+
+
+def group_by_row(first: torch.Tensor, second: torch.Tensor, n_owned: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs sorted by their owned row ``first`` (a stable sort, only if not sorted yet) and the ``n_owned + 1`` int32 offsets."""
+    if first.numel() > 1 and not bool((first[1:] >= first[:-1]).all()):
+        order = torch.argsort(first, stable=True)
+        first, second = first[order], second[order]
+    start = torch.zeros(n_owned + 1, dtype=torch.int32, device=first.device)
+    start[1:] = torch.cumsum(torch.bincount(first.long(), minlength=n_owned), 0)
+    return first, second, start
+
+
+def rows_of_groups(start: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The owned row of each pair of a list grouped by row with offsets ``start`` (the inverse of :func:`group_by_row`)."""
+    counts = torch.diff(start)
+    rows = torch.arange(counts.numel(), dtype=dtype, device=start.device)
+    return torch.repeat_interleave(rows, counts, output_size=int(start[-1]) if start.numel() else 0)
 
 
 class HalfList:
@@ -41,9 +68,7 @@ class HalfList:
     def first(self) -> torch.Tensor:
         """The owned row of each pair, int32."""
         if self._first is None:
-            counts = torch.diff(self.start)
-            rows = torch.arange(counts.numel(), dtype=torch.int32, device=counts.device)
-            self._first = torch.repeat_interleave(rows, counts, output_size=self.n_pairs)
+            self._first = rows_of_groups(self.start, torch.int32)
         return self._first
 
     @staticmethod
@@ -78,13 +103,8 @@ class HalfList:
         """
         if self.start is not None:
             return self
-        first, second = self.first, self.second
-        if first.numel() > 1 and not bool((first[1:] >= first[:-1]).all()):
-            order = torch.argsort(first, stable=True)
-            first, second = first[order].contiguous(), second[order].contiguous()
-        start = torch.zeros(n_owned + 1, dtype=torch.int32, device=first.device)
-        start[1:] = torch.cumsum(torch.bincount(first.long(), minlength=n_owned), 0)
-        return HalfList(first, second, start)
+        first, second, start = group_by_row(self.first, self.second, n_owned)
+        return HalfList(first.contiguous(), second.contiguous(), start)
 
     @property
     def n_pairs(self) -> int:
