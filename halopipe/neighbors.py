@@ -223,12 +223,13 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells), 0)
     wp = warp_module()
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
-    grid = [pos, pos[order], order.to(torch.int32), slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
+    order = order.to(torch.int32)
+    grid = [pos, pos[order], order, slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge]
     capacity = _slot_capacity(cell_start, n_cells, float(cutoff) / edge)
     inputs = [*grid, reach, trim_reach, float(cutoff) ** 2]
     if n_owned * capacity * 4 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
         return _grouped_two_passes("owned_half", n_owned, device, [*inputs, 0])
-    return _owned_half_one_pass(n_owned, device, inputs, capacity, pool or ScratchPool())
+    return _owned_half_one_pass(n_owned, device, inputs, order, capacity, pool or ScratchPool())
 
 
 SPHERE_ROWS_FOR_HALF_CUBES = 150
@@ -272,8 +273,13 @@ def _slot_capacity(cell_start: torch.Tensor, n_cells: int, reach_in_cubes: float
     return int(1.3 * per_cube * (4.0 / 3.0) * math.pi * reach_in_cubes**3) + 16
 
 
-def _owned_half_one_pass(n_owned: int, device: torch.device, inputs: list, capacity: int, pool: ScratchPool) -> GroupedPairs:
-    """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows."""
+def _owned_half_one_pass(
+    n_owned: int, device: torch.device, inputs: list, order: torch.Tensor, capacity: int, pool: ScratchPool
+) -> GroupedPairs:
+    """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows.
+
+    The slots hold sorted positions; the copy maps them to rows through ``order``.
+    """
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     slots = pool.take_flat(n_owned * capacity, torch.int32, device)
     nothing = torch.empty(0, dtype=torch.int32, device=device)
@@ -282,7 +288,7 @@ def _owned_half_one_pass(n_owned: int, device: torch.device, inputs: list, capac
     torch.cumsum(counts, 0, out=start[1:])
     partners = torch.empty(int(start[-1]), dtype=torch.int32, device=device)
     if int(counts.max()) <= capacity:
-        launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, capacity, start], [partners])
+        launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, order, capacity, start], [partners])
     else:  # a row outgrew its slots: the counts are known, so one more pass writes the pairs
         launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, nothing])
     pool.give_flat(slots)
