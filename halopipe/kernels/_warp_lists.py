@@ -65,7 +65,9 @@ def _owned_half_search(mode: int):
         dims: wp.vec3i,
         lo: wp.vec3d,
         edge: wp.float64,
+        edge_x: wp.float64,
         reach: wp.int32,
+        reach_x: wp.int32,
         reach_pad: wp.float64,
         rc2: wp.float64,
         capacity: wp.int32,
@@ -89,8 +91,8 @@ def _owned_half_search(mode: int):
             n = i * capacity
             end = n + capacity
         pad2 = reach_pad * reach_pad
-        x_lo = wp.max(c[0] - reach, 0)
-        x_hi = wp.min(c[0] + reach, dims[0] - 1)
+        x_lo = wp.max(c[0] - reach_x, 0)
+        x_hi = wp.min(c[0] + reach_x, dims[0] - 1)
         for z in range(wp.max(c[2] - reach, 0), wp.min(c[2] + reach + 1, dims[2])):
             gz = _slab_gap(rel[2], wp.float64(z) * edge, edge)
             for y in range(wp.max(c[1] - reach, 0), wp.min(c[1] + reach + 1, dims[1])):
@@ -98,8 +100,8 @@ def _owned_half_search(mode: int):
                 h2 = pad2 - gy * gy - gz * gz
                 if h2 >= wp.float64(0.0):
                     h = wp.sqrt(h2)
-                    a = wp.max(wp.int32(wp.floor((rel[0] - h) / edge)), x_lo)
-                    b = wp.min(wp.int32(wp.floor((rel[0] + h) / edge)), x_hi)
+                    a = wp.max(wp.int32(wp.floor((rel[0] - h) / edge_x)), x_lo)
+                    b = wp.min(wp.int32(wp.floor((rel[0] + h) / edge_x)), x_hi)
                     line = z * dims[1] + y
                     for section in range(2):  # owned rows, then ghost rows
                         base = section * n_cells + line * dims[0]
