@@ -235,3 +235,21 @@ def test_a_views_grouped_list_is_made_into_int64_pairs_only_when_a_model_reads_t
     i, j = torch.nonzero(r <= 5.5, as_tuple=True)
     want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < domain.n_owned}
     assert {(min(a, b), max(a, b)) for a, b in view.pairs.T.tolist()} == want and view.pairs.shape[1] == len(want)
+
+
+@pytest.mark.parametrize("slices", [1, 3, 8])
+def test_the_search_finds_every_pair_whatever_the_x_slices_of_its_cells(slices, monkeypatch):
+    """Cells of 1, 3 or 8 x slices per cutoff (the scan trimmed slice by slice): a lattice with ties at the cutoff, against cdist."""
+    from halopipe import neighbors
+
+    monkeypatch.setattr(neighbors, "X_SLICES_PER_CUTOFF", slices)
+    rng = np.random.default_rng(13)
+    grid = np.stack(np.meshgrid(*[np.arange(9.0)] * 3, indexing="ij"), axis=-1).reshape(-1, 3)
+    for rows, n_owned, cutoff in [
+        (torch.tensor(grid[rng.permutation(len(grid))] * 0.75), 300, 1.5 + 1e-12),  # rows on cell faces, pairs at the cutoff
+        (torch.tensor(rng.uniform(-2, 12, (500, 3))), 200, 3.1),
+    ]:
+        got = neighbors.grouped_owned_half_pairs(rows, n_owned, cutoff).pairs
+        i, j = torch.nonzero(torch.cdist(rows, rows) <= cutoff, as_tuple=True)
+        want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
+        assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want and got.shape[1] == len(want)
