@@ -228,7 +228,7 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
     order = order.to(torch.int32)
     grid = [pos, pos[order], order, slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge, edge_x]
-    capacity = _slot_capacity(cell, split, float(cutoff) / edge)
+    capacity = _slot_capacity(cell, dims, split, float(cutoff) / edge)
     inputs = [*grid, reach, reach_x, trim_reach, float(cutoff) ** 2]
     if n_owned * capacity * 4 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
         return _grouped_two_passes("owned_half", n_owned, device, [*inputs, 0])
@@ -273,7 +273,7 @@ PAIR_SLOT_BYTES = 512 << 20
 """Memory the one-pass search may fill with its rows' slots (:func:`_slot_capacity` partners each, 4 bytes a partner)."""
 
 
-def _slot_capacity(cell: torch.Tensor, split: int, reach_in_cubes: float) -> int:
+def _slot_capacity(cell: torch.Tensor, dims: list[int], split: int, reach_in_cubes: float) -> int:
     """Partner slots per owned row: 1.3x the partners a row has in a full sphere of the reach, at its cubes' density, + 16.
 
     The density is that of the occupied cubes (so vacuum around a slab or a
@@ -284,7 +284,7 @@ def _slot_capacity(cell: torch.Tensor, split: int, reach_in_cubes: float) -> int
     sends the search to two passes.
     """
     c = cell.long()
-    cube = (c[:, 2] * (int(c[:, 1].max()) + 1) + c[:, 1]) * (int(c[:, 0].max()) // split + 1) + c[:, 0] // split
+    cube = (c[:, 2] * dims[1] + c[:, 1]) * ((dims[0] + split - 1) // split) + c[:, 0] // split
     occupancy = torch.bincount(cube)  # rows of each cube, owned and ghost
     occupied = occupancy[occupancy > 0]
     per_cube = float(occupied.float().mean()) if occupied.numel() else 0.0

@@ -564,7 +564,6 @@ def build_view(
         cutoff=float(model.cutoff),
         half_list=vec is None,
         mesh_transform=domain.mesh_transform,
-        pair_offsets=candidates.start if half else None,
         need_energy=need_energy,
         need_virial=need_virial,
         system=domain.row_systems(n_ghost) if domain.system is not None else None,

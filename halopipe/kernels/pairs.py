@@ -72,19 +72,16 @@ class HalfList:
         return self._first
 
     @staticmethod
-    def from_pairs(pairs: torch.Tensor, n_owned: int, is_half: bool, start: torch.Tensor | None = None) -> HalfList:
+    def from_pairs(pairs: torch.Tensor, n_owned: int, is_half: bool) -> HalfList:
         """From a view's pairs: a half list as is, or a directed owned-centred list halved.
 
         A directed list holds owned-owned pairs in both directions; one
-        direction (``i < j``) is kept. ``start``: the offsets of a half list
-        that comes grouped by owned row (a view's ``pair_offsets``), kept as
-        they are.
+        direction (``i < j``) is kept.
         """
         if not is_half:
-            keep = (pairs[1] >= n_owned) | (pairs[0] < pairs[1])
-            pairs, start = pairs[:, keep], None
+            pairs = pairs[:, (pairs[1] >= n_owned) | (pairs[0] < pairs[1])]
         as32 = lambda x: x.to(torch.int32).contiguous()  # noqa: E731
-        return HalfList(as32(pairs[0]), as32(pairs[1]), start)
+        return HalfList(as32(pairs[0]), as32(pairs[1]))
 
     @staticmethod
     def of_view(view) -> HalfList:
@@ -92,14 +89,14 @@ class HalfList:
         grouped = view.half_pairs
         if grouped is not None:
             return HalfList(None, grouped.partners, grouped.start)
-        return HalfList.from_pairs(view.pairs, view.n_owned, view.half_list, start=view.pair_offsets)
+        return HalfList.from_pairs(view.pairs, view.n_owned, view.half_list)
 
     def grouped(self, n_owned: int) -> HalfList:
         """The same pairs grouped by owned row, with ``start`` offsets (a stable sort only if not grouped yet).
 
-        The owned-centred search already returns its pairs grouped, with
-        offsets that a view passes on (``pair_offsets``), so this usually costs
-        nothing; without them, one check and one prefix sum per rebuild.
+        A view's grouped list (``half_pairs``, taken as it is by
+        :meth:`of_view`) already has them, so this usually costs nothing;
+        otherwise one check and one prefix sum per rebuild.
         """
         if self.start is not None:
             return self

@@ -85,9 +85,6 @@ class LocalView:
     ids : (R,) global atom index of each row (owner's index for ghosts).
     half_list : ``pairs`` is a half candidate list (given to models that set
         ``half_list = True``).
-    pair_offsets : ``(n_owned + 1,)`` int32 offsets when the half list comes
-        grouped by owned row (row ``a``'s pairs are ``pair_offsets[a] ..
-        pair_offsets[a + 1]``), else None.
     need_energy, need_virial : whether the caller uses the energies and the
         virial of a direct evaluation (LAMMPS's ``eflag`` and ``vflag``): most
         MD steps want forces only, so a direct model may then return
@@ -115,7 +112,6 @@ class LocalView:
     cutoff: float = 0.0
     half_list: bool = False
     mesh_transform: Callable | None = None
-    pair_offsets: torch.Tensor | None = None
     need_energy: bool = True
     need_virial: bool = True
     system: torch.Tensor | None = None
@@ -134,6 +130,13 @@ class LocalView:
         """
         pairs = self.__dict__["_pairs"]
         return pairs if isinstance(pairs, GroupedPairs) else None
+
+    @property
+    def pair_offsets(self) -> torch.Tensor | None:
+        """``(n_owned + 1,)`` int32 offsets of the half list grouped by owned row (row ``a``'s pairs are
+        ``pair_offsets[a] .. pair_offsets[a + 1]``), when the view was given one (:attr:`half_pairs`), else None."""
+        grouped = self.half_pairs
+        return None if grouped is None else grouped.start
 
     def replace(self, **changes) -> LocalView:
         """A copy with ``changes`` (as :func:`dataclasses.replace`), keeping a grouped half list grouped."""
