@@ -29,7 +29,7 @@ import torch
 
 from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
-from .neighbors import GroupedPairs, PairLists, max_displacement
+from .neighbors import GroupedPairs, PairLists, max_displacement, one_holder_pairs
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
@@ -190,6 +190,7 @@ class Domain:
     ghost_distance: torch.Tensor
     _row_offsets: tuple | None = None  # (plan_version, cell, offsets of all ghosts) of :meth:`row_offsets`
     _pair_lists: PairLists | None = None  # this domain's candidate lists, per plan (:meth:`candidate_pairs`)
+    _one_holder_lists: tuple | None = None  # (plan_version, {(n_ghost, cutoff): GroupedPairs}) of :meth:`one_holder_pairs`
     system: torch.Tensor | None = None
     """Owned rows' system index in a batch (:class:`~halopipe.batch.BatchDomain`); None for one system."""
     n_systems: int = 1
@@ -243,6 +244,46 @@ class Domain:
         reach = float(cutoff) + self.skin
         return self._pair_lists.candidates(self.plan_version, rows, self.n_owned, n_ghost, reach, float(cutoff), half)
 
+    def one_holder_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float) -> GroupedPairs:
+        """The half candidate list of :meth:`candidate_pairs` less the pairs with a ghost that another holder evaluates.
+
+        Over all ranks each pair of the system is then in exactly one list
+        (LAMMPS's ``newton on``): a model summing pair terms over it gives
+        the ghost ends their share, folded home. Filtered once per plan
+        (:func:`~halopipe.neighbors.one_holder_pairs`, by :meth:`holder_keys`).
+        """
+        key = (n_ghost, float(cutoff))
+        if self._one_holder_lists is None or self._one_holder_lists[0] != self.plan_version:
+            self._one_holder_lists = (self.plan_version, {})
+        lists = self._one_holder_lists[1]
+        if key not in lists:
+            lists[key] = one_holder_pairs(self.candidate_pairs(rows, n_ghost, cutoff, True), self.holder_keys(n_ghost))
+        return lists[key]
+
+    def holder_keys(self, n_ghost: int) -> torch.Tensor:
+        """(n_owned + n_ghost,) int64 keys: of a pair with a ghost, the holder whose owned end has the smaller key keeps it.
+
+        ``3 id + 1`` for an owned row; for a ghost, ``3 id + 1`` plus the sign
+        of the first non-zero component of its lattice shift from its owner's
+        row when that owner is owned here (a periodic image of an owned atom),
+        else nothing. Two ends with different ids: the smaller id's holder
+        keeps the pair, on every rank alike. An atom and its own image at
+        shift ``t``: of the two pairs ``(a, a + t)`` and ``(a, a - t)`` found
+        from ``a``, the one with the positive shift is kept. Needs the owned
+        ids sorted (every domain keeps them so).
+        """
+        ids, ghost_ids = self.ids, self.ghost_ids[:n_ghost]
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise RuntimeError("Domain.holder_keys: the owned ids are not sorted ascending, which the one-holder rule relies on")
+        keys = 3 * torch.cat([ids, ghost_ids]) + 1
+        if ids.numel() and n_ghost:
+            owner = torch.searchsorted(ids, ghost_ids).clamp_(max=ids.numel() - 1)
+            own_image = ids[owner] == ghost_ids
+            shift = self.ghost_shift[:n_ghost] - self.owned_shift[owner]
+            lead = torch.where(shift[:, 0] != 0, shift[:, 0], torch.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2]))
+            keys[ids.numel() :] += torch.where(own_image, lead.sign(), torch.zeros_like(lead))
+        return keys
+
     def search_widest_half_list(self, needs: set[tuple[int, float]], ghost_positions: torch.Tensor) -> None:
         """With half lists of several ``(n_ghost, cutoff)`` to come, search once at the widest of both (per plan).
 
@@ -268,6 +309,10 @@ class Domain:
         raise NotImplementedError
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
+        """Each ghost row's value (of the ghost rows within ``width``) added to its owner's row.
+
+        Differentiable: the adjoint of :meth:`ghost_rows`.
+        """
         raise NotImplementedError
 
     def global_sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -412,4 +457,4 @@ class LocalDomain(Domain):
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         out = x_ghost.new_zeros((self.n_owned,) + x_ghost.shape[1:])
-        return out.index_add_(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)
+        return out.index_add(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)  # differentiable: its backward gathers

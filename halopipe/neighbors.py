@@ -39,6 +39,7 @@ __all__ = [
     "grouped_owned_half_pairs",
     "GroupedPairs",
     "narrower_half_pairs",
+    "one_holder_pairs",
     "owned_pairs_cell_list",
     "pair_vectors",
     "VerletList",
@@ -191,6 +192,26 @@ def narrower_half_pairs(wider: GroupedPairs, rows: torch.Tensor, cutoff: float) 
     pairs = wider.pairs[:, wider.pairs[1] < rows.shape[0]]
     d = rows[pairs[1]] - rows[pairs[0]]
     return GroupedPairs.from_pairs(pairs[:, (d * d).sum(dim=1) <= cutoff * cutoff], wider.n_owned)
+
+
+def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
+    """The pairs of a half list that this view evaluates when every pair of the system is evaluated once (``newton on``).
+
+    A pair with a ghost is in the half lists of every view that holds one
+    of its ends (two ranks, or both ends' rows on one rank through a
+    periodic image). ``keys`` (R,) int64 rank the rows so that exactly one
+    holder keeps it: owned-owned pairs are kept, and a pair ``(a, b)`` with a
+    ghost ``b`` when ``keys[a] < keys[b]`` (:meth:`~halopipe.domain.Domain.holder_keys`
+    gives keys that hold the same order on every rank). The kept pairs stay
+    grouped by owned row, in the list's order.
+    """
+    keys = keys.contiguous()
+    n_owned = half.n_owned
+    if half.n_pairs > 0 and warp_kernel("one_holder_fill", _LISTS) is not None:
+        return _grouped_two_passes("one_holder", n_owned, keys.device, [half.start, half.partners, keys, n_owned])
+    first, second = half.pairs
+    keep = (second < n_owned) | (keys[first] < keys[second])
+    return GroupedPairs.from_pairs(half.pairs[:, keep], n_owned)
 
 
 def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None) -> GroupedPairs:

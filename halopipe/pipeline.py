@@ -568,6 +568,8 @@ def build_view(
         need_virial=need_virial,
         system=domain.row_systems(n_ghost) if domain.system is not None else None,
         system_sizes=domain.system_sizes,
+        fold=lambda x_ghost: domain.fold_ghosts(x_ghost, width),
+        one_holder=(lambda: domain.one_holder_pairs(rows.detach(), n_ghost, float(model.cutoff))) if half else None,
     )
 
 

@@ -35,6 +35,7 @@ import torch
 from .batch import Batch
 from .domain import LocalDomain
 from .models.base import LocalView
+from .neighbors import GroupedPairs
 from .pipeline import Group, Pipeline, Step, build_view
 from .system import System
 
@@ -261,6 +262,7 @@ def _collectives(model, view: LocalView, direct: bool) -> tuple[list[str], objec
         distances=vectors.norm(dim=1),
         refresh=_recorded(view.refresh, "refresh", log, per_row=True),
         global_sum=_recorded(view.global_sum, "global_sum", log, per_row=False),
+        fold=_recorded(view.fold, "fold", log, per_row=True),
     )
     if direct:
         with torch.no_grad():
@@ -277,8 +279,9 @@ def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
 
     The first empty view keeps every row of the populated one as a ghost (an
     empty brick next to the atoms), the second has no rows at all (an empty
-    brick far from them). Their ``refresh`` fills ghost rows with zeros: what a
-    rank without atoms receives does not matter, only that it asks for it.
+    brick far from them). Their ``refresh`` fills ghost rows with zeros and
+    their ``fold`` returns no rows: what a rank without atoms receives does
+    not matter, only that it asks for it.
     """
     domain = LocalDomain(system)
     domain.prepare(model.halo)
@@ -302,6 +305,8 @@ def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
                 fields={k: v.detach()[:rows] for k, v in full.fields.items()},
                 refresh=refresh,
                 global_sum=lambda x: x,
+                fold=lambda x: x[:0],  # no owned rows to fold into, but a graph as a rank's fold has
+                one_holder=None if full.one_holder is None else (lambda: GroupedPairs.empty(0, full.positions.device)),
                 ids=full.ids[:rows],
             )
         )

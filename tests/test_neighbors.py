@@ -253,3 +253,53 @@ def test_the_search_finds_every_pair_whatever_the_x_slices_of_its_cells(slices, 
         i, j = torch.nonzero(torch.cdist(rows, rows) <= cutoff, as_tuple=True)
         want = {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
         assert {(min(a, b), max(a, b)) for a, b in got.T.tolist()} == want and got.shape[1] == len(want)
+
+
+def _canonical_pairs(view, pairs: torch.Tensor, positions: np.ndarray, cell: np.ndarray, first_id: int) -> list:
+    """``(i, j, S)`` of each view pair between atoms ``i`` and ``j + S @ cell`` of one system, the smaller of its two directions."""
+    rows = view.positions.detach().numpy()
+    a, b = pairs.numpy()
+    i, j = view.ids[a].numpy() - first_id, view.ids[b].numpy() - first_id
+    shift = np.rint((rows[b] - rows[a] - (positions[j] - positions[i])) @ np.linalg.inv(cell)).astype(int)
+    return [min((int(p), int(q), tuple(s.tolist())), (int(q), int(p), tuple((-s).tolist()))) for p, q, s in zip(i, j, shift)]
+
+
+@pytest.mark.parametrize("kernels", ["warp", "torch"])
+def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, monkeypatch):
+    """Over a batch's systems and their periodic images, each pair within the list's reach is in exactly one one-holder list.
+
+    Against enumerated lattice images: a small triclinic cell (the reach
+    spans several images of an atom, itself included) and a cubic one in one
+    batch, so ids are batch rows and shifts come from each system's cell.
+    """
+    from halopipe import Batch, LennardJones, System
+    from halopipe.batch import BatchDomain
+    from halopipe.kernels import backend, pairs
+    from halopipe.pipeline import Step, build_view
+
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels)
+    backend.warp_module.cache_clear()
+    pairs.warp_kernel.cache_clear()
+    rng = np.random.default_rng(8)
+    systems = []
+    for cell, n in ((CELLS["triclinic"], 10), (CELLS["cubic"] * 1.6, 70)):
+        positions = rng.uniform(0, 1, (n, 3)) @ cell
+        pbc = torch.tensor([True] * 3)
+        systems.append(System(positions=torch.tensor(positions), numbers=torch.full((n,), 18), cell=torch.tensor(cell), pbc=pbc))
+    model, skin = LennardJones(0.01, 3.0, cutoff=6.0), 0.5
+    domain = BatchDomain(Batch(systems), skin=skin)
+    domain.prepare(model.halo)
+    view = build_view(domain, Step(model), model.halo, domain.positions, domain.cell, {})
+    once, half = view.one_holder_pairs, view.half_pairs
+    assert once is view.one_holder_pairs and once.n_pairs < half.n_pairs  # kept per plan; some pairs were held twice
+    first_id = 0
+    for b, system in enumerate(systems):
+        pos, cell = system.positions.numpy(), system.cell.numpy()
+        mine = once.pairs[:, view.system[once.pairs[0]] == b]
+        got = _canonical_pairs(view, mine, pos, cell, first_id)
+        want = {min(p, (p[1], p[0], tuple(-x for x in p[2]))) for p in brute_force(pos, cell, (True,) * 3, 6.0 + skin)}
+        assert len(got) == len(set(got)), "a pair is listed twice"
+        assert set(got) == want
+        first_id += system.n_atoms
+    backend.warp_module.cache_clear()
+    pairs.warp_kernel.cache_clear()

@@ -14,7 +14,9 @@ from one plan, each model paying only for its own width.
 
 :class:`HaloGather` is the differentiable refresh: forward sends owner rows
 to the ranks holding their ghosts; backward sends the ghost rows' gradients
-back and sums them into the owners.
+back and sums them into the owners. :class:`HaloFold` is its adjoint, the
+differentiable fold: ghost rows' values summed into their owners, whose
+backward refreshes the ghost rows' gradients from the owners'.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from ..geometry import ImageSet
 from .comm import Comm
 
-__all__ = ["HaloPlan", "HaloGather"]
+__all__ = ["HaloPlan", "HaloGather", "HaloFold"]
 
 
 class HaloPlan:
@@ -135,3 +137,16 @@ class HaloGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ctx.plan.backward_rows(grad.contiguous(), ctx.n_owned, ctx.limit), None, None, None
+
+
+class HaloFold(torch.autograd.Function):
+    """Differentiable fold: ghost rows -> summed into their owners; backward refreshes the ghost rows' gradients."""
+
+    @staticmethod
+    def forward(ctx, x_ghost, plan: HaloPlan, n_owned: int, limit: float):
+        ctx.plan, ctx.limit = plan, limit
+        return plan.backward_rows(x_ghost.contiguous(), n_owned, limit)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.plan.forward_rows(grad.contiguous(), ctx.limit), None, None, None

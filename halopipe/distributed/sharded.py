@@ -41,7 +41,7 @@ from ..neighbors import max_displacement
 from ..system import System
 from .comm import Comm
 from .fft import PencilMeshTransform, distributed_mesh_transform
-from .halo import HaloGather, HaloPlan
+from .halo import HaloFold, HaloGather, HaloPlan
 
 __all__ = ["ShardedSystem"]
 
@@ -290,7 +290,7 @@ class ShardedSystem(Domain):
         return HaloGather.apply(x, self.plan, self._limit(width), known)
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
-        return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width))
+        return HaloFold.apply(x_ghost, self.plan, self.n_owned, self._limit(width))
 
     # ------------------------------------------------------------ migration
     def _migrate(self, dest: torch.Tensor, peers: list[int] | None, copy: bool = False) -> bool:

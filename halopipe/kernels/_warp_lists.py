@@ -1,4 +1,4 @@
-"""Warp sources of the pair lists (imported only when Warp loads): the owned-centred search and the narrower-list filter.
+"""Warp sources of the pair lists (imported only when Warp loads): the owned-centred search and the list filters.
 
 Both run one thread per owned row and make a list grouped by owned row. The
 search writes each row's pairs into ``capacity`` slots of its own in one pass
@@ -7,7 +7,7 @@ prefix sum of the counts (:data:`compact_slots`); when a row's pairs outnumber
 its slots, or the slots would not fit in memory, it runs in two passes
 instead: one counts each row's pairs (``COUNT``), a prefix sum turns the
 counts into offsets, the other writes the pairs from the row's offset
-(``FILL``). The filter always takes two passes. The writing passes are
+(``FILL``). The filters (a narrower list; the one-holder list) always take two passes. The writing passes are
 branch-free in their inner loop: every candidate is written at the row's next
 free slot and kept by advancing past it (while the row's slots last), which
 measured twice as fast as writing under a data-dependent branch on the CPU.
@@ -197,3 +197,45 @@ def _half_list_filter(write: bool):
 
 half_list_count = _half_list_filter(write=False)
 half_list_fill = _half_list_filter(write=True)
+
+
+def _one_holder_filter(write: bool):
+    """The one-holder filter: one thread per owned row ``a`` over its pairs ``start[a] .. start[a + 1]`` of a half list.
+
+    Keeps an owned-owned pair, and a pair with a ghost ``b`` when
+    ``key[a] < key[b]`` (see :func:`halopipe.neighbors.one_holder_pairs`).
+    Counting and writing variants as :func:`_half_list_filter`.
+    """
+
+    @wp.kernel
+    def filter_holders(
+        start: wp.array(dtype=wp.int32),
+        partner: wp.array(dtype=wp.int32),
+        key: wp.array(dtype=wp.int64),
+        n_owned: wp.int32,
+        offsets: wp.array(dtype=wp.int32),
+        kept: wp.array(dtype=wp.int32),
+        counts: wp.array(dtype=wp.int32),
+    ):
+        a = wp.tid()
+        key_a = key[a]
+        n = wp.int32(0)
+        end = wp.int32(0)
+        if wp.static(write):
+            n = offsets[a]
+            end = offsets[a + 1]
+        for k in range(start[a], start[a + 1]):
+            b = partner[k]
+            keep = b < n_owned or key_a < key[b]
+            if wp.static(write):
+                if n < end:
+                    kept[n] = b
+            n += wp.where(keep, 1, 0)
+        if not wp.static(write):
+            counts[a] = n
+
+    return filter_holders
+
+
+one_holder_count = _one_holder_filter(write=False)
+one_holder_fill = _one_holder_filter(write=True)

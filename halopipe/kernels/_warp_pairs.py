@@ -3,7 +3,7 @@
 A thread takes one owned row ``a`` and its pairs, masks candidates beyond
 the cutoff, adds half the pair energy to each end and the pair force,
 weighted by ``(weight[a] + weight[b]) / 2``, to both ends with opposite
-signs (the direct Lennard-Jones kernels differ: see :func:`_lj_owned_complete`).
+signs (the direct Lennard-Jones kernels differ: see :func:`_lj_direct`).
 """
 
 from __future__ import annotations
@@ -97,23 +97,18 @@ def _lj_owned_rows(single_type: bool):
     return lj
 
 
-def _lj_owned_complete(single_type: bool, energy: bool, virial: bool):
-    """Lennard-Jones direct forces, complete on the owned rows (LAMMPS's ``newton off``): one thread per owned row ``a``.
+def _lj_direct(single_type: bool, energy: bool):
+    """Lennard-Jones direct forces and energies on every row: one thread per owned row ``a``.
 
-    ``forces`` (every row) gets each pair's whole force on both ends: on an
-    owned row that is its complete force (a pair with a ghost is evaluated
-    by both ranks that hold it, each keeping the force on its own atom); a
-    ghost row's sum is left for the caller, who keeps half of it for the
-    virial or drops it. Writing every row rather than testing ``b < n_owned``
-    costs no branch. The owned forces are computed the same way whatever
-    ``energy`` and ``virial`` ask, so a forces-only step moves atoms exactly
-    as a step that also reports. ``energy``: per-row energies (half of each
-    pair to each end; the owned rows' are the owned energies). ``virial``:
-    ``rest[a]``, the half of ``a``'s ghost pairs' forces that this rank's
-    energy share gives back, so that ``sum_owned r (x) (forces + rest) +
-    sum_ghost r (x) forces / 2`` is the share's virial. Eight compiled
-    variants: a run-time test of the flags in the inner loop would cost on
-    every pair.
+    Each listed pair's whole force goes to both ends (a ghost end's share is
+    for its owner: the caller folds ghost rows home), so over a one-holder
+    list (each pair of the system listed once, LAMMPS's ``newton on``) the
+    rows' forces sum to the complete forces. Writing every row rather than
+    testing ``b < n_owned`` costs no branch. The forces are computed the
+    same way whether or not ``energy`` asks for per-row energies (half of
+    each pair to each end), so a forces-only step moves atoms exactly as a
+    step that also reports. Four compiled variants: a run-time test of the
+    flag in the inner loop would cost on every pair.
     """
 
     @wp.kernel
@@ -124,11 +119,9 @@ def _lj_owned_complete(single_type: bool, energy: bool, virial: bool):
         row_type: wp.array(dtype=wp.int32),
         n_types: wp.int32,
         params: wp.array(dtype=wp.vec3d),
-        n_owned: wp.int32,
         rc2: wp.float64,
         energies: wp.array(dtype=wp.float64),
         forces: wp.array(dtype=wp.vec3d),
-        rest: wp.array(dtype=wp.vec3d),
     ):
         a = wp.tid()
         ra = rows[a]
@@ -137,7 +130,6 @@ def _lj_owned_complete(single_type: bool, energy: bool, virial: bool):
         if not wp.static(single_type):
             type_a = row_type[a] * n_types
         fa = wp.vec3d()
-        rest_a = wp.vec3d()
         ea = wp.float64(0.0)
         for k in range(start[a], start[a + 1]):
             b = second[k]
@@ -155,23 +147,14 @@ def _lj_owned_complete(single_type: bool, energy: bool, virial: bool):
             f = _lj_force_over_r(inv2, inv6, p) * d
             fa -= f
             wp.atomic_add(forces, b, f)
-            if wp.static(virial):
-                rest_a += wp.where(b < n_owned, wp.vec3d(), wp.float64(0.5) * f)
         wp.atomic_add(forces, a, fa)
         if wp.static(energy):
             wp.atomic_add(energies, a, ea)
-        if wp.static(virial):
-            rest[a] = rest_a
 
     return lj
 
 
 lj_owned_rows = _lj_owned_rows(single_type=False)
 lj_owned_rows_single_type = _lj_owned_rows(single_type=True)
-LJ_COMPLETE = {
-    (single, energy, virial): _lj_owned_complete(single, energy, virial)
-    for single in (False, True)
-    for energy in (False, True)
-    for virial in (False, True)
-}
-"""The complete (direct) kernels by ``(single_type, energy, virial)``."""
+LJ_DIRECT = {(single, energy): _lj_direct(single, energy) for single in (False, True) for energy in (False, True)}
+"""The direct kernels by ``(single_type, energy)``."""

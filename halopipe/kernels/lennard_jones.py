@@ -48,13 +48,8 @@ def _pair_types(half: HalfList, tables: LJTables) -> torch.Tensor:
     return (tables.row_type[half.first] * tables.n_types + tables.row_type[half.second]).long()
 
 
-def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces, rest=None) -> None:
-    """Eager twin of the Warp kernels: the same arithmetic with a mask instead of a branch.
-
-    With ``rest`` (owned rows): each ghost pair's left-out half of the force
-    is added to ``rest``, so that ``forces[:n_owned] + rest`` are the
-    complete owned forces (the direct kernels' ``forces``).
-    """
+def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forces) -> None:
+    """Eager twin of the Warp kernels: the same arithmetic with a mask instead of a branch."""
     first, second = half.first.long(), half.second.long()
     d = rows[second] - rows[first]
     r2 = (d * d).sum(dim=1)
@@ -68,9 +63,6 @@ def _torch_kernel(rows, half: HalfList, tables: LJTables, weight, energies, forc
     c = 0.5 * (weight[first] + weight[second])
     f = (c * (12.0 * a12 * inv6 - 6.0 * b6) * inv6 * inv2)[:, None] * d
     forces.index_add_(0, second, f).index_add_(0, first, -f)
-    if rest is not None:
-        ghost = second >= rest.shape[0]
-        rest.index_add_(0, first[ghost], -f[ghost])
 
 
 def _kernel_inputs(rows, half: HalfList, tables: LJTables, n_owned: int) -> tuple[bool, list]:
@@ -102,44 +94,35 @@ def lj_energy_forces(rows: torch.Tensor, half: HalfList, tables: LJTables, weigh
 def lj_direct(
     rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int, energy: bool = True, virial: bool = True
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Owned energies (n_owned,), complete owned forces (n_owned, 3) and this rank's virial (3, 3).
+    """Energies (R,) and forces (R, 3) of every row from the listed pairs, and their virial (3, 3).
 
-    The forces need no ghost rows folded home: a pair with a ghost is
-    evaluated by both ranks that hold it, each keeping the force on its own
-    atom (LAMMPS's ``newton off``), which costs no extra pair work here
-    because the owned-centred half list already holds such a pair on both
-    sides. The virial is that of this rank's energy share (each ghost pair
-    at weight 1/2), so the ranks' virials sum to the total. ``energy`` or
-    ``virial`` False skips that work and returns None in its place (LAMMPS's
-    ``eflag`` / ``vflag``); the forces are the same either way.
+    ``half`` is grouped by the ``n_owned`` owned rows. Each listed pair
+    counts whole: its force on both ends, half its energy to each. Over a
+    one-holder list (:attr:`~halopipe.models.LocalView.one_holder_pairs`:
+    each pair of the system in one list only, LAMMPS's ``newton on``) the
+    ghost rows' values are the shares of atoms owned elsewhere, which the
+    caller folds home; the virial ``sum_rows r (x) F`` is then this list's
+    share of the total. ``energy`` or ``virial`` False skips that work and
+    returns None in its place (LAMMPS's ``eflag`` / ``vflag``); the forces
+    are the same either way.
     """
     rows = rows.detach().contiguous()
-    kernels = warp_kernel("LJ_COMPLETE")
-    if kernels is None or rows.dtype != torch.float64 or not half.n_pairs:
-        energies, forces, w = _lj_direct_eager(rows, half, tables, n_owned)
-        return (energies if energy else None), forces, (w if virial else None)
-    single, inputs = _kernel_inputs(rows, half, tables, n_owned)
-    forces = torch.zeros_like(rows)  # every row: the kernel writes ghost ends too rather than branch on them
-    energies = rows.new_zeros(rows.shape[0]) if energy else rows.new_empty(0)
-    rest = rows.new_zeros(n_owned, 3) if virial else rows.new_empty(0, 3)
-    launch(kernels[single, energy, virial], n_owned, rows.device, [*inputs, n_owned, tables.cutoff**2], [energies, forces, rest])
-    # A ghost pair counts half in this rank's share: half of each ghost row's force, and ``rest`` on the owned rows.
-    w = _share_virial(rows, torch.cat([forces[:n_owned] + rest, 0.5 * forces[n_owned:]]), n_owned) if virial else None
-    return (energies[:n_owned] if energy else None), forces[:n_owned], w
-
-
-def _lj_direct_eager(rows: torch.Tensor, half: HalfList, tables: LJTables, n_owned: int):
-    """:func:`lj_direct` by the eager twin (no Warp, float32, or no pairs): owned weights, then the left-out halves added."""
+    kernels = warp_kernel("LJ_DIRECT")
     energies = rows.new_zeros(rows.shape[0])
-    forces = torch.zeros_like(rows)
-    rest = rows.new_zeros(n_owned, 3)
-    if half.n_pairs:
-        _torch_kernel(rows, half, tables, owned_weight(rows, n_owned), energies, forces, rest)
-    return energies[:n_owned], forces[:n_owned] + rest, _share_virial(rows, forces, n_owned)
+    forces = torch.zeros_like(rows)  # every row: the kernel writes ghost ends too rather than branch on them
+    if kernels is None or rows.dtype != torch.float64 or not half.n_pairs:
+        if half.n_pairs:
+            _torch_kernel(rows, half, tables, rows.new_ones(rows.shape[0]), energies, forces)
+    else:
+        single, inputs = _kernel_inputs(rows, half, tables, n_owned)
+        out = energies if energy else rows.new_empty(0)
+        launch(kernels[single, energy], n_owned, rows.device, [*inputs, tables.cutoff**2], [out, forces])
+    w = _pairs_virial(rows, forces, n_owned) if virial else None
+    return (energies if energy else None), forces, w
 
 
-def _share_virial(rows: torch.Tensor, forces: torch.Tensor, n_owned: int) -> torch.Tensor:
-    """``sum (r - c) (x) F`` over the rows for this rank's share's forces, about the owned centre ``c``.
+def _pairs_virial(rows: torch.Tensor, forces: torch.Tensor, n_owned: int) -> torch.Tensor:
+    """``sum (r - c) (x) F`` over the rows, about the owned centre ``c`` (pair forces: the sum of ``r_ab (x) f_b``).
 
     Written as ``sum r (x) F - c (x) sum F`` (no pass that shifts every row);
     the second term removes the origin dependence that the rounding of

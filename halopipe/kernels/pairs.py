@@ -114,7 +114,7 @@ def pair_list_key(view):
 
 
 class HalfListCache:
-    """A model's :class:`HalfList`, converted once per neighbour-list rebuild (keyed by :func:`pair_list_key`).
+    """A model's :class:`HalfList`, converted once per neighbour-list rebuild (keyed by the view's list it comes from).
 
     The key and its list are kept as one tuple and the list returned is the
     one just made or found, so threads sharing a model (one per rank in a
@@ -124,12 +124,13 @@ class HalfListCache:
     def __init__(self) -> None:
         self._cached: tuple[object, HalfList] | None = None
 
-    def get(self, view) -> HalfList:
-        """The half list of ``view`` (see :meth:`HalfList.of_view`)."""
-        key, cached = pair_list_key(view), self._cached
+    def get(self, view, one_holder: bool = False) -> HalfList:
+        """The half list of ``view`` (see :meth:`HalfList.of_view`), or its one-holder list (``view.one_holder_pairs``)."""
+        key = view.one_holder_pairs if one_holder else pair_list_key(view)
+        cached = self._cached
         if cached is not None and cached[0] is key:
             return cached[1]
-        half = HalfList.of_view(view)
+        half = HalfList(None, key.partners, key.start) if one_holder else HalfList.of_view(view)
         self._cached = (key, half)
         return half
 

@@ -8,7 +8,11 @@ are owned, per-atom input fields on every row, and two differentiable helpers:
   from their owners (on one process: from the periodic originals; under domain
   decomposition: through a halo exchange whose backward sends ghost gradients
   home);
-* ``global_sum(x)`` sums over all ranks (identity on one process).
+* ``global_sum(x)`` sums over all ranks (identity on one process);
+* ``fold(x_ghost) -> x_owned`` sums per-row values of the ghost rows into
+  their owners (refresh's adjoint, differentiable), for a pair model over
+  :attr:`LocalView.one_holder_pairs`, where each pair of the system is
+  evaluated by one holder only and the ghost ends' shares go home.
 
 It returns a :class:`ModelOutput`: per-atom energies of the owned rows (their
 sum is this view's share of the total energy), any produced per-atom fields for
@@ -25,10 +29,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..kernels.pairs import HalfList, HalfListCache
 from ..neighbors import GroupedPairs
 from .compile import CompiledStages
 
-__all__ = ["LocalView", "ModelOutput", "Model", "NonFiniteError", "check_positive_length", "virial_from_forces", "direct_by_local_autograd"]
+__all__ = [
+    "LocalView",
+    "ModelOutput",
+    "Model",
+    "NonFiniteError",
+    "check_positive_length",
+    "virial_from_forces",
+    "direct_by_local_autograd",
+    "fold_ghost_shares",
+    "pair_energies_once",
+]
 
 
 class NonFiniteError(ValueError):
@@ -78,6 +93,11 @@ class LocalView:
     fields : per-atom inputs on all R rows.
     refresh : ``x_owned (n_owned, ...) -> x_rows (R, ...)``, differentiable.
     global_sum : differentiable sum over all ranks.
+    fold : ``x_ghost (R - n_owned, ...) -> (n_owned, ...)``: each ghost
+        row's value added to its owner's row (on whichever rank owns it),
+        differentiable (its backward refreshes). A collective: call it on
+        every rank alike.
+    one_holder : makes :attr:`one_holder_pairs` (None without a half list).
     mesh_transform : ``(sizes, decomposition="auto") -> MeshTransform``, the
         3-D FFT of a periodic mesh shared by all ranks in slabs or pencils
         (:mod:`halopipe.meshfft`; local on one process).
@@ -116,10 +136,26 @@ class LocalView:
     need_virial: bool = True
     system: torch.Tensor | None = None
     system_sizes: torch.Tensor | None = None
+    fold: Callable[[torch.Tensor], torch.Tensor] | None = None
+    one_holder: Callable[[], GroupedPairs] | None = None
 
     @property
     def n_rows(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def one_holder_pairs(self) -> GroupedPairs:
+        """The half list less the pairs with a ghost that another holder of the pair evaluates (LAMMPS's ``newton on``).
+
+        Over all ranks (and over a periodic image and its original on one
+        rank) each pair of the system is in exactly one view's list, so a
+        direct pair model evaluates it once, gives the ghost end its force and
+        energy share, and sends those home with :attr:`fold`. The same object
+        until the next rebuild; made on first read.
+        """
+        if self.one_holder is None:
+            raise RuntimeError("LocalView.one_holder_pairs: this view has no half list (set half_list = True on the model)")
+        return self.one_holder()
 
     @property
     def half_pairs(self) -> GroupedPairs | None:
@@ -253,6 +289,39 @@ class Model(torch.nn.Module):
 def virial_from_forces(positions: torch.Tensor, forces: torch.Tensor) -> torch.Tensor:
     """Virial ``W = sum_i r_i (x) f_i`` (= ``-dE/d(strain)`` for a translation-invariant energy)."""
     return positions.transpose(0, 1) @ forces
+
+
+def fold_ghost_shares(view: LocalView, forces: torch.Tensor, energies: torch.Tensor | None = None):
+    """Owned forces (and energies) made complete: the ghost rows' shares added to their owners by one :attr:`~LocalView.fold`.
+
+    For a direct evaluation over :attr:`LocalView.one_holder_pairs`:
+    ``forces`` (R, 3) and ``energies`` (R,) or None on every row of ``view``;
+    returns them on the owned rows (energies None when given None).
+    """
+    n = view.n_owned
+    if energies is None:
+        return forces[:n] + view.fold(forces[n:]), None
+    home = view.fold(torch.cat([forces[n:], energies[n:, None]], dim=1))
+    return forces[:n] + home[:, :3], energies[:n] + home[:, 3]
+
+
+def pair_energies_once(view: LocalView, lists: HalfListCache, energies_of: Callable[[HalfList, int], torch.Tensor]) -> torch.Tensor:
+    """Owned per-atom energies of a pair sum, each pair of the system evaluated once (differentiable).
+
+    ``energies_of(half, n)`` gives per-row energies of the pairs in ``half``
+    (half of each pair to each end) on the first ``n`` rows, differentiable.
+    Over :attr:`LocalView.one_holder_pairs` it runs for every row and the
+    ghost rows' energies go home through :attr:`LocalView.fold` (whose
+    backward refreshes the gradient onto them); a view without a domain's
+    lists (made by hand) has each pair with a ghost evaluated by every holder
+    instead, the owned rows' energies at weight 1. ``lists`` keeps the
+    model's converted list from step to step.
+    """
+    if view.one_holder is None:
+        return energies_of(lists.get(view), view.n_owned)
+    energies = energies_of(lists.get(view, one_holder=True), view.n_rows)
+    n = view.n_owned
+    return energies[:n] + view.fold(energies[n:])
 
 
 def direct_by_local_autograd(energy_fn: Callable[[LocalView], torch.Tensor], view: LocalView) -> ModelOutput:

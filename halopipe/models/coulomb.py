@@ -13,7 +13,9 @@ model with its graph). The pair sum runs in a compiled half-list kernel
 (:mod:`halopipe.kernels.coulomb`, shared with Ewald's real space) that returns
 energies, forces and ``dE/dq`` in one pass: with static charges the model gives
 direct forces; in an autograd group an analytic backward carries ``dE/dq`` to
-the charge model, so the wired chain term stays exact.
+the charge model, so the wired chain term stays exact. Each pair of the system
+is evaluated once (:attr:`~halopipe.models.LocalView.one_holder_pairs`), its
+ghost end's share folded home.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from __future__ import annotations
 import math
 
 from ..kernels.coulomb import DampedCoulomb, coulomb_energies_autograd, coulomb_terms
-from ..kernels.pairs import HalfListCache, owned_weight
-from .base import LocalView, Model, ModelOutput, check_positive_length, virial_from_forces
+from ..kernels.pairs import HalfListCache
+from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energies_once, virial_from_forces
 
 __all__ = ["DSFCoulomb", "COULOMB_CONSTANT"]
 
@@ -47,6 +49,7 @@ class DSFCoulomb(Model):
 
     inputs = frozenset({"charges"})
     direct_forces = True
+    ghost_forces = False  # direct forces come back complete on owned rows: the model folds its ghost shares itself
     half_list = True
     batchable = True
 
@@ -66,11 +69,14 @@ class DSFCoulomb(Model):
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         q = view.fields["charges"].to(view.positions.dtype)
         n = view.n_owned
-        half = self._half.get(view)
         self_energies = (-COULOMB_CONSTANT * self._self) * q[:n] * q[:n]
         if not direct:
-            return ModelOutput(energies=coulomb_energies_autograd(view.positions, q, half, self._pair, n) + self_energies)
-        energies, forces, _ = coulomb_terms(view.positions, q, half, self._pair, owned_weight(view.positions, n), charge_grad=False)
+            pairs = pair_energies_once(view, self._half, lambda half, m: coulomb_energies_autograd(view.positions, q, half, self._pair, m))
+            return ModelOutput(energies=pairs + self_energies)
+        once = self._half.get(view, one_holder=True)
+        energies, forces, _ = coulomb_terms(view.positions, q, once, self._pair, view.positions.new_ones(view.n_rows), charge_grad=False)
         # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
         centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
-        return ModelOutput(energies=energies[:n] + self_energies, forces=forces, virial=virial_from_forces(view.positions - centre, forces))
+        virial = virial_from_forces(view.positions - centre, forces)
+        forces, energies = fold_ghost_shares(view, forces, energies)
+        return ModelOutput(energies=energies + self_energies, forces=forces, virial=virial)

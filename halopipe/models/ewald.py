@@ -35,7 +35,7 @@ import torch
 
 from ..kernels.ewald import real_space_energies_autograd
 from ..kernels.pairs import HalfListCache
-from .base import LocalView, Model, ModelOutput, check_positive_length
+from .base import LocalView, Model, ModelOutput, check_positive_length, pair_energies_once
 from .coulomb import COULOMB_CONSTANT
 
 __all__ = [
@@ -215,9 +215,12 @@ class SplitCoulomb(Model):
         self._half = HalfListCache()  # the HalfList of the last rebuild
 
     def real_space(self, view: LocalView, charges: torch.Tensor) -> torch.Tensor:
-        """Per-owned-atom real-space energy: half of ``k_e q_i q_j erfc(alpha r) / r`` per pair end (compiled kernel)."""
-        half = self._half.get(view)
-        return real_space_energies_autograd(view.positions, charges, half, self.cutoff, self.alpha, COULOMB_CONSTANT, view.n_owned)
+        """Per-owned-atom real-space energy: half of ``k_e q_i q_j erfc(alpha r) / r`` per pair end (compiled kernel, each pair once)."""
+
+        def energies(half, n: int) -> torch.Tensor:
+            return real_space_energies_autograd(view.positions, charges, half, self.cutoff, self.alpha, COULOMB_CONSTANT, n)
+
+        return pair_energies_once(view, self._half, energies)
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError

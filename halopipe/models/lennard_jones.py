@@ -7,10 +7,13 @@ mixed by Lorentz-Berthelot (``sigma_ij = (sigma_i + sigma_j)/2``,
 its energy to each of its atoms.
 
 The work runs in a compiled half-list kernel (:mod:`halopipe.kernels`): the
-model takes the view's half candidate list at ``cutoff + skin`` (each pair
-once), groups it by owned row and looks up species-pair parameters once per
-neighbour-list rebuild; each step the kernel skips candidates beyond the
-cutoff.
+model takes the view's half candidate list at ``cutoff + skin``, grouped by
+owned row, and looks up species-pair parameters once per neighbour-list
+rebuild; each step the kernel masks candidates beyond the cutoff. Direct
+forces take the one-holder list (each pair of the whole system evaluated
+once, on one rank: LAMMPS's ``newton on``) and fold the ghost ends' forces
+and energies home; forces by autograd take the whole half list, each pair
+with a ghost evaluated by every holder at half weight.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from ..kernels.lennard_jones import LJTables, lj_direct, lj_energies_autograd
 from ..kernels.pairs import HalfList, pair_list_key
-from .base import LocalView, Model, ModelOutput, check_positive_length
+from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares
 
 __all__ = ["LennardJones"]
 
@@ -65,7 +68,7 @@ class LennardJones(Model):
     """
 
     direct_forces = True
-    ghost_forces = False  # direct forces are complete on owned rows (see kernels.lennard_jones.lj_direct)
+    ghost_forces = False  # direct forces come back complete on owned rows: the model folds its ghost shares itself
     half_list = True
     batchable = True
 
@@ -121,5 +124,9 @@ class LennardJones(Model):
         n = view.n_owned
         if not direct:
             return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
-        energies, forces, virial = lj_direct(view.positions, half, tables, n, energy=view.need_energy, virial=view.need_virial)
+        once = view.one_holder_pairs
+        energies, forces, virial = lj_direct(
+            view.positions, HalfList(None, once.partners, once.start), tables, n, energy=view.need_energy, virial=view.need_virial
+        )
+        forces, energies = fold_ghost_shares(view, forces, energies)
         return ModelOutput(energies=energies, forces=forces, virial=virial)
