@@ -29,7 +29,7 @@ import torch
 
 from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
-from .neighbors import GroupedPairs, PairLists, max_displacement, one_holder_pairs
+from .neighbors import GroupedPairs, PairLists, max_displacement, narrower_half_pairs, one_holder_pairs
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
@@ -191,6 +191,7 @@ class Domain:
     _row_offsets: tuple | None = None  # (plan_version, cell, offsets of all ghosts) of :meth:`row_offsets`
     _pair_lists: PairLists | None = None  # this domain's candidate lists, per plan (:meth:`candidate_pairs`)
     _one_holder_lists: tuple | None = None  # (plan_version, {(n_ghost, cutoff): GroupedPairs}) of :meth:`one_holder_pairs`
+    _holder_keys: tuple | None = None  # (plan_version, keys of all the plan's rows) of :meth:`holder_keys`
     system: torch.Tensor | None = None
     """Owned rows' system index in a batch (:class:`~halopipe.batch.BatchDomain`); None for one system."""
     n_systems: int = 1
@@ -257,29 +258,38 @@ class Domain:
             self._one_holder_lists = (self.plan_version, {})
         lists = self._one_holder_lists[1]
         if key not in lists:
-            lists[key] = one_holder_pairs(self.candidate_pairs(rows, n_ghost, cutoff, True), self.holder_keys(n_ghost))
+            wider = [found for (g, c), found in lists.items() if g >= n_ghost and c >= cutoff]
+            if wider:  # which holder keeps a pair does not depend on the list: a distance filter of a wider one-holder list
+                lists[key] = narrower_half_pairs(min(wider, key=lambda found: found.n_pairs), rows, float(cutoff) + self.skin)
+            else:
+                lists[key] = one_holder_pairs(self.candidate_pairs(rows, n_ghost, cutoff, True), self.holder_keys(n_ghost))
         return lists[key]
 
     def holder_keys(self, n_ghost: int) -> torch.Tensor:
-        """(n_owned + n_ghost,) int64 keys: of a pair with a ghost, the holder whose owned end has the smaller key keeps it.
+        """(n_owned + n_ghost,) int64 keys that decide which holder keeps a pair with a ghost (:func:`.neighbors.one_holder_pairs`).
 
-        ``3 id + 1`` for an owned row; for a ghost, ``3 id + 1`` plus the sign
+        ``4 id + 2`` for an owned row; for a ghost, ``4 id + 2`` plus the sign
         of the first non-zero component of its lattice shift from its owner's
         row when that owner is owned here (a periodic image of an owned atom),
-        else nothing. Two ends with different ids: the smaller id's holder
-        keeps the pair, on every rank alike. An atom and its own image at
-        shift ``t``: of the two pairs ``(a, a + t)`` and ``(a, a - t)`` found
-        from ``a``, the one with the positive shift is kept. Needs the owned
-        ids sorted (every domain keeps them so).
+        else nothing: of the two pairs ``(a, a + t)`` and ``(a, a - t)`` found
+        from ``a``, the one with the positive shift is kept. Integers only, so
+        every rank decides alike. Made once per plan for all its ghosts (a
+        narrower view's keys are a prefix). Needs the owned ids sorted (every
+        domain keeps them so).
         """
-        ids, ghost_ids = self.ids, self.ghost_ids[:n_ghost]
+        if self._holder_keys is None or self._holder_keys[0] != self.plan_version:
+            self._holder_keys = (self.plan_version, self._make_holder_keys())
+        return self._holder_keys[1][: self.n_owned + n_ghost]
+
+    def _make_holder_keys(self) -> torch.Tensor:
+        ids, ghost_ids = self.ids, self.ghost_ids
         if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise RuntimeError("Domain.holder_keys: the owned ids are not sorted ascending, which the one-holder rule relies on")
-        keys = 3 * torch.cat([ids, ghost_ids]) + 1
-        if ids.numel() and n_ghost:
+        keys = 4 * torch.cat([ids, ghost_ids]) + 2
+        if ids.numel() and ghost_ids.numel():
             owner = torch.searchsorted(ids, ghost_ids).clamp_(max=ids.numel() - 1)
             own_image = ids[owner] == ghost_ids
-            shift = self.ghost_shift[:n_ghost] - self.owned_shift[owner]
+            shift = self.ghost_shift - self.owned_shift[owner]
             lead = torch.where(shift[:, 0] != 0, shift[:, 0], torch.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2]))
             keys[ids.numel() :] += torch.where(own_image, lead.sign(), torch.zeros_like(lead))
         return keys

@@ -199,10 +199,15 @@ def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
 
     A pair with a ghost is in the half lists of every view that holds one
     of its ends (two ranks, or both ends' rows on one rank through a
-    periodic image). ``keys`` (R,) int64 rank the rows so that exactly one
-    holder keeps it: owned-owned pairs are kept, and a pair ``(a, b)`` with a
-    ghost ``b`` when ``keys[a] < keys[b]`` (:meth:`~halopipe.domain.Domain.holder_keys`
-    gives keys that hold the same order on every rank). The kept pairs stay
+    periodic image). ``keys`` (R,) int64, ``4 id + 2 + s`` per row
+    (:meth:`~halopipe.domain.Domain.holder_keys`: global id ``id``, ``s`` an
+    own image's lattice sign), decide which holder keeps it: owned-owned
+    pairs are kept; a pair ``(a, b)`` with a ghost ``b`` of another atom is
+    kept by the smaller id's holder when the two ids sum to an even number
+    and by the larger's when odd (ids usually run through space, so a plain
+    "smaller id" would hand every pair across a face to one of its ranks); a
+    pair of an atom with its own image is kept when ``keys[a] < keys[b]``.
+    Every rank decides alike from ids and integer shifts. The kept pairs stay
     grouped by owned row, in the list's order.
     """
     keys = keys.contiguous()
@@ -210,8 +215,10 @@ def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
     if half.n_pairs > 0 and warp_kernel("one_holder_fill", _LISTS) is not None:
         return _grouped_two_passes("one_holder", n_owned, keys.device, [half.start, half.partners, keys, n_owned])
     first, second = half.pairs
-    keep = (second < n_owned) | (keys[first] < keys[second])
-    return GroupedPairs.from_pairs(half.pairs[:, keep], n_owned)
+    key_a, key_b = keys[first], keys[second]
+    id_a, id_b = key_a >> 2, key_b >> 2
+    keeps = torch.where(id_a == id_b, key_a < key_b, (id_a < id_b) != (((id_a ^ id_b) & 1) == 1))
+    return GroupedPairs.from_pairs(half.pairs[:, (second < n_owned) | keeps], n_owned)
 
 
 def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None) -> GroupedPairs:

@@ -270,7 +270,8 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, monkeypatch
 
     Against enumerated lattice images: a small triclinic cell (the reach
     spans several images of an atom, itself included) and a cubic one in one
-    batch, so ids are batch rows and shifts come from each system's cell.
+    batch, so ids are batch rows and shifts come from each system's cell; at
+    two cutoffs, the narrower list made from the wider one-holder list.
     """
     from halopipe import Batch, LennardJones, System
     from halopipe.batch import BatchDomain
@@ -286,20 +287,22 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, monkeypatch
         positions = rng.uniform(0, 1, (n, 3)) @ cell
         pbc = torch.tensor([True] * 3)
         systems.append(System(positions=torch.tensor(positions), numbers=torch.full((n,), 18), cell=torch.tensor(cell), pbc=pbc))
-    model, skin = LennardJones(0.01, 3.0, cutoff=6.0), 0.5
+    skin = 0.5
     domain = BatchDomain(Batch(systems), skin=skin)
-    domain.prepare(model.halo)
-    view = build_view(domain, Step(model), model.halo, domain.positions, domain.cell, {})
-    once, half = view.one_holder_pairs, view.half_pairs
-    assert once is view.one_holder_pairs and once.n_pairs < half.n_pairs  # kept per plan; some pairs were held twice
-    first_id = 0
-    for b, system in enumerate(systems):
-        pos, cell = system.positions.numpy(), system.cell.numpy()
-        mine = once.pairs[:, view.system[once.pairs[0]] == b]
-        got = _canonical_pairs(view, mine, pos, cell, first_id)
-        want = {min(p, (p[1], p[0], tuple(-x for x in p[2]))) for p in brute_force(pos, cell, (True,) * 3, 6.0 + skin)}
-        assert len(got) == len(set(got)), "a pair is listed twice"
-        assert set(got) == want
-        first_id += system.n_atoms
+    domain.prepare(6.0)
+    for cutoff in (6.0, 4.0):  # the narrower list is filtered from the wider one-holder list
+        model = LennardJones(0.01, 3.0, cutoff=cutoff)
+        view = build_view(domain, Step(model), model.halo, domain.positions, domain.cell, {})
+        once, half = view.one_holder_pairs, view.half_pairs
+        assert once is view.one_holder_pairs and once.n_pairs < half.n_pairs  # kept per plan; some pairs were held twice
+        first_id = 0
+        for b, system in enumerate(systems):
+            pos, cell = system.positions.numpy(), system.cell.numpy()
+            mine = once.pairs[:, view.system[once.pairs[0]] == b]
+            got = _canonical_pairs(view, mine, pos, cell, first_id)
+            want = {min(p, (p[1], p[0], tuple(-x for x in p[2]))) for p in brute_force(pos, cell, (True,) * 3, cutoff + skin)}
+            assert len(got) == len(set(got)), "a pair is listed twice"
+            assert set(got) == want
+            first_id += system.n_atoms
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()

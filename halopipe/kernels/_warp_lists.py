@@ -199,12 +199,28 @@ half_list_count = _half_list_filter(write=False)
 half_list_fill = _half_list_filter(write=True)
 
 
+@wp.func
+def _holder_keeps(key_a: wp.int64, key_b: wp.int64):
+    """Whether the holder of owned end ``a`` keeps its pair with ghost ``b`` (keys ``4 id + 2 + s``).
+
+    Ends of different ids: the smaller id's holder when the ids' sum is
+    even, the larger's when it is odd, so that the pairs across a face split
+    evenly between its two ranks however ids run through space; an atom and
+    its own image: the larger key (``s``: the image's lattice sign).
+    """
+    id_a = key_a >> wp.int64(2)
+    id_b = key_b >> wp.int64(2)
+    odd = ((id_a ^ id_b) & wp.int64(1)) == wp.int64(1)
+    return wp.where(id_a == id_b, key_a < key_b, (id_a < id_b) != odd)
+
+
 def _one_holder_filter(write: bool):
     """The one-holder filter: one thread per owned row ``a`` over its pairs ``start[a] .. start[a + 1]`` of a half list.
 
-    Keeps an owned-owned pair, and a pair with a ghost ``b`` when
-    ``key[a] < key[b]`` (see :func:`halopipe.neighbors.one_holder_pairs`).
-    Counting and writing variants as :func:`_half_list_filter`.
+    Keeps an owned-owned pair, and a pair with a ghost ``b`` by
+    :func:`_holder_keeps` (see :func:`halopipe.neighbors.one_holder_pairs`),
+    reading keys for ghost partners only. Counting and writing variants as
+    :func:`_half_list_filter`.
     """
 
     @wp.kernel
@@ -226,7 +242,9 @@ def _one_holder_filter(write: bool):
             end = offsets[a + 1]
         for k in range(start[a], start[a + 1]):
             b = partner[k]
-            keep = b < n_owned or key_a < key[b]
+            keep = True
+            if b >= n_owned:
+                keep = _holder_keeps(key_a, key[b])
             if wp.static(write):
                 if n < end:
                     kept[n] = b
