@@ -9,11 +9,10 @@ its energy to each of its atoms.
 The work runs in a compiled half-list kernel (:mod:`halopipe.kernels`): the
 model takes the view's half candidate list at ``cutoff + skin``, grouped by
 owned row, and looks up species-pair parameters once per neighbour-list
-rebuild; each step the kernel masks candidates beyond the cutoff. Direct
-forces take the one-holder list (each pair of the whole system evaluated
-once, on one rank: LAMMPS's ``newton on``) and fold the ghost ends' forces
-and energies home; forces by autograd take the whole half list, each pair
-with a ghost evaluated by every holder at half weight.
+rebuild; each step the kernel masks candidates beyond the cutoff. The
+kernels take the one-holder list (each pair of the whole system evaluated
+once, on one rank: LAMMPS's ``newton on``) and the ghost ends' forces and
+energies go home by the view's fold.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels.lennard_jones import LJTables, lj_direct, lj_energies_autograd
-from ..kernels.pairs import HalfList, pair_list_key
-from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares
+from ..kernels.pairs import HalfList, HalfListCache, pair_list_key
+from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energies_once
 
 __all__ = ["LennardJones"]
 
@@ -84,7 +83,8 @@ class LennardJones(Model):
         self.register_buffer("epsilon", eps)
         self.register_buffer("sigma", sig)
         self.register_buffer("known", k1 & k2)
-        self._cached: tuple | None = None  # (candidates, HalfList, LJTables) of the last rebuild
+        self._cached: tuple | None = None  # (candidate list, LJTables) of the last rebuild
+        self._once = HalfListCache()  # the one-holder list of the last rebuild, as a HalfList
 
     def _tables(self, species: torch.Tensor, dtype: torch.dtype, row_type: torch.Tensor | None = None) -> LJTables:
         """Kernel parameter tables over the species pairs present, flattened ``(ti, tj) -> ti * S + tj``.
@@ -100,15 +100,15 @@ class LennardJones(Model):
         row_type = None if row_type is None else row_type.to(torch.int32).contiguous()
         return LJTables(a12.contiguous(), b6.contiguous(), shift.contiguous(), self.cutoff, row_type)
 
-    def _half_list(self, view: LocalView) -> tuple[HalfList, LJTables]:
-        """Half list grouped by owned row and tables, rebuilt only when the view's candidate list changes (a rebuild)."""
+    def _view_tables(self, view: LocalView) -> LJTables:
+        """The view's parameter tables, checked against its pairs, remade only when its candidate list changes (a rebuild)."""
         key = pair_list_key(view)
         cached = self._cached
         if cached is not None and cached[0] is key:
-            return cached[1], cached[2]
-        half = HalfList.of_view(view).grouped(view.n_owned)
+            return cached[1]
         species, species_index = torch.unique(view.numbers, return_inverse=True)
         if not bool(self.known[species][:, species].all()):  # some species pair lacks parameters: is it in the list?
+            half = HalfList.of_view(view)
             zi, zj = view.numbers[half.first], view.numbers[half.second]
             missing = ~self.known[zi, zj]
             if bool(missing.any()):
@@ -116,17 +116,15 @@ class LennardJones(Model):
                 raise ValueError(f"LennardJones: no parameters for the species pair ({int(zi[bad])}, {int(zj[bad])})")
         # One species: a single pair type, which the kernel reads once per row instead of once per pair.
         tables = self._tables(species, view.positions.dtype, species_index if species.numel() > 1 else None)
-        self._cached = (key, half, tables)
-        return half, tables
+        self._cached = (key, tables)
+        return tables
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
-        half, tables = self._half_list(view)
-        n = view.n_owned
+        tables = self._view_tables(view)
         if not direct:
-            return ModelOutput(energies=lj_energies_autograd(view.positions, half, tables, n))
-        once = view.one_holder_pairs
-        energies, forces, virial = lj_direct(
-            view.positions, HalfList(None, once.partners, once.start), tables, n, energy=view.need_energy, virial=view.need_virial
-        )
+            energies = pair_energies_once(view, self._once, lambda half, m: lj_energies_autograd(view.positions, half, tables, m))
+            return ModelOutput(energies=energies)
+        once = self._once.get(view, one_holder=True)
+        energies, forces, virial = lj_direct(view.positions, once, tables, view.n_owned, energy=view.need_energy, virial=view.need_virial)
         forces, energies = fold_ghost_shares(view, forces, energies)
         return ModelOutput(energies=energies, forces=forces, virial=virial)
