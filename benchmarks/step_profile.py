@@ -4,8 +4,9 @@ Runs velocity-Verlet NVE on a case of ``md_throughput.py`` (LJ argon 32,000
 atoms, the demo composite 8,000 atoms) and attributes the wall time of the
 timed steps, per rank, to exclusive categories by wrapping a few functions:
 
-* ``neighbour search``: ``PairLists.candidates`` (cell-list searches and the
-  filtering of narrower lists, their kernels included), once per rebuild;
+* ``neighbour search``: ``PairLists.candidates`` (cell-list searches, the
+  one-holder lists and their holder keys, and the filtering of narrower
+  lists, their kernels included), once per rebuild;
 * ``rebuild: partition, plan, migration``: ``ShardedSystem._repartition``
   (its communication included);
 * ``kernels``: every Warp launch and every ``torch.fft`` transform;

@@ -229,13 +229,15 @@ class BatchDomain(LocalDomain):
         """Owned ``positions`` under a per-system ``strain`` (B, 3, 3): ``r @ strain[system of r]``."""
         return torch.einsum("ni,nij->nj", positions, strain[self.system])
 
-    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> GroupedPairs | torch.Tensor:
+    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, kind: str) -> GroupedPairs | torch.Tensor:
         """Each system's own candidate pairs (searched and kept by its part), renumbered into the batch's rows.
 
-        No pair crosses systems; half lists stay grouped by owned row (owned
-        rows are in system order), so their offsets concatenate.
+        No pair crosses systems; half and one-holder lists stay grouped by
+        owned row (owned rows are in system order), so their offsets
+        concatenate. A one-holder list's holders are decided by each system's
+        own ids.
         """
-        key = (n_ghost, float(cutoff), half)
+        key = (n_ghost, float(cutoff), kind)
         if key in self._pair_lists_of_plan:
             return self._pair_lists_of_plan[key]
         n = self.n_owned
@@ -244,8 +246,11 @@ class BatchDomain(LocalDomain):
         for b, (part, n_ghost_b) in enumerate(zip(self.parts, per_system)):
             owned, slots = self.part_rows(b), self._slots[b][:n_ghost_b]
             index = torch.cat([torch.arange(owned.start, owned.stop, device=rows.device), n + slots])
-            found.append((index, part.candidate_pairs(torch.cat([rows[owned], rows[n + slots]]), n_ghost_b, cutoff, half)))
-        merged = _merged_half_lists(found, rows.device) if half else torch.cat([index[pairs] for index, pairs in found], dim=1)
+            found.append((index, part.candidate_pairs(torch.cat([rows[owned], rows[n + slots]]), n_ghost_b, cutoff, kind)))
+        if kind == "directed":
+            merged = torch.cat([index[pairs] for index, pairs in found], dim=1)
+        else:
+            merged = _merged_half_lists(found, rows.device)
         self._pair_lists_of_plan[key] = merged
         return merged
 

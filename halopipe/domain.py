@@ -29,7 +29,7 @@ import torch
 
 from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
-from .neighbors import GroupedPairs, PairLists, max_displacement, narrower_half_pairs, one_holder_pairs
+from .neighbors import GroupedPairs, PairLists, max_displacement
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
@@ -190,7 +190,6 @@ class Domain:
     ghost_distance: torch.Tensor
     _row_offsets: tuple | None = None  # (plan_version, cell, offsets of all ghosts) of :meth:`row_offsets`
     _pair_lists: PairLists | None = None  # this domain's candidate lists, per plan (:meth:`candidate_pairs`)
-    _one_holder_lists: tuple | None = None  # (plan_version, {(n_ghost, cutoff): GroupedPairs}) of :meth:`one_holder_pairs`
     _holder_keys: tuple | None = None  # (plan_version, keys of all the plan's rows) of :meth:`holder_keys`
     system: torch.Tensor | None = None
     """Owned rows' system index in a batch (:class:`~halopipe.batch.BatchDomain`); None for one system."""
@@ -227,88 +226,80 @@ class Domain:
         owned, ghosts = cached[2]
         return owned, ghosts[:n_ghost]
 
-    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, half: bool) -> GroupedPairs | torch.Tensor:
+    def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, kind: str) -> GroupedPairs | torch.Tensor:
         """Owned-centred candidate pairs within ``cutoff + skin`` among ``rows``, once per plan.
 
         ``rows``: the owned rows, then ``n_ghost`` ghost rows (detached).
-        ``half``: each pair once, grouped by owned row
-        (:func:`~halopipe.neighbors.grouped_owned_half_pairs`), else ``(2, P)``
-        pairs in both directions from owned centres. Kept in this domain's
+        ``kind`` (:data:`~halopipe.neighbors.LIST_KINDS`): ``"half"``, each
+        pair once, grouped by owned row
+        (:func:`~halopipe.neighbors.grouped_owned_half_pairs`);
+        ``"one_holder"``, the half list less the pairs with a ghost that
+        another holder evaluates, so that over all ranks each pair of the
+        system is in exactly one list (LAMMPS's ``newton on``;
+        :func:`~halopipe.neighbors.one_holder_pairs`, by :meth:`holder_keys`);
+        ``"directed"``, ``(2, P)`` pairs in both directions from owned
+        centres. Kept in this domain's
         :class:`~halopipe.neighbors.PairLists` until the plan changes; a
         model that pairs nothing (``cutoff <= 0``, D3's lattice sums) gets an
         empty list without a search.
         """
         if cutoff <= 0.0:
-            return GroupedPairs.empty(self.n_owned, rows.device) if half else torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
+            if kind == "directed":
+                return torch.zeros(2, 0, dtype=torch.int64, device=rows.device)
+            return GroupedPairs.empty(self.n_owned, rows.device)
         if self._pair_lists is None:
             self._pair_lists = PairLists()
         reach = float(cutoff) + self.skin
-        return self._pair_lists.candidates(self.plan_version, rows, self.n_owned, n_ghost, reach, float(cutoff), half)
-
-    def one_holder_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float) -> GroupedPairs:
-        """The half candidate list of :meth:`candidate_pairs` less the pairs with a ghost that another holder evaluates.
-
-        Over all ranks each pair of the system is then in exactly one list
-        (LAMMPS's ``newton on``): a model summing pair terms over it gives
-        the ghost ends their share, folded home. Filtered once per plan
-        (:func:`~halopipe.neighbors.one_holder_pairs`, by :meth:`holder_keys`).
-        """
-        key = (n_ghost, float(cutoff))
-        if self._one_holder_lists is None or self._one_holder_lists[0] != self.plan_version:
-            self._one_holder_lists = (self.plan_version, {})
-        lists = self._one_holder_lists[1]
-        if key not in lists:
-            wider = [found for (g, c), found in lists.items() if g >= n_ghost and c >= cutoff]
-            if wider:  # which holder keeps a pair does not depend on the list: a distance filter of a wider one-holder list
-                lists[key] = narrower_half_pairs(min(wider, key=lambda found: found.n_pairs), rows, float(cutoff) + self.skin)
-            else:
-                lists[key] = one_holder_pairs(self.candidate_pairs(rows, n_ghost, cutoff, True), self.holder_keys(n_ghost))
-        return lists[key]
+        keys = (lambda: self.holder_keys(n_ghost)) if kind == "one_holder" else None
+        return self._pair_lists.candidates(self.plan_version, rows, self.n_owned, n_ghost, reach, float(cutoff), kind, keys)
 
     def holder_keys(self, n_ghost: int) -> torch.Tensor:
         """(n_owned + n_ghost,) int64 keys that decide which holder keeps a pair with a ghost (:func:`.neighbors.one_holder_pairs`).
 
         ``4 id + 2`` for an owned row; for a ghost, ``4 id + 2`` plus the sign
         of the first non-zero component of its lattice shift from its owner's
-        row when that owner is owned here (a periodic image of an owned atom),
-        else nothing: of the two pairs ``(a, a + t)`` and ``(a, a - t)`` found
-        from ``a``, the one with the positive shift is kept. Integers only, so
-        every rank decides alike. Made once per plan for all its ghosts (a
-        narrower view's keys are a prefix). Needs the owned ids sorted (every
-        domain keeps them so).
+        row when that owner is owned here (a periodic image of an owned atom,
+        :meth:`own_images`), else nothing: of the two pairs ``(a, a + t)`` and
+        ``(a, a - t)`` found from ``a``, the one with the positive shift is
+        kept. Integers only, so every rank decides alike. Made once per plan
+        for all its ghosts (a narrower view's keys are a prefix).
         """
         if self._holder_keys is None or self._holder_keys[0] != self.plan_version:
             self._holder_keys = (self.plan_version, self._make_holder_keys())
         return self._holder_keys[1][: self.n_owned + n_ghost]
 
     def _make_holder_keys(self) -> torch.Tensor:
-        ids, ghost_ids = self.ids, self.ghost_ids
-        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise RuntimeError("Domain.holder_keys: the owned ids are not sorted ascending, which the one-holder rule relies on")
-        keys = 4 * torch.cat([ids, ghost_ids]) + 2
-        if ids.numel() and ghost_ids.numel():
-            owner = torch.searchsorted(ids, ghost_ids).clamp_(max=ids.numel() - 1)
-            own_image = ids[owner] == ghost_ids
-            shift = self.ghost_shift - self.owned_shift[owner]
+        keys = 4 * torch.cat([self.ids, self.ghost_ids]) + 2
+        ghost, owner = self.own_images()
+        if ghost.numel():
+            shift = self.ghost_shift[ghost] - self.owned_shift[owner]
             lead = torch.where(shift[:, 0] != 0, shift[:, 0], torch.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2]))
-            keys[ids.numel() :] += torch.where(own_image, lead.sign(), torch.zeros_like(lead))
+            keys[self.n_owned + ghost] += lead.sign()
         return keys
 
-    def search_widest_half_list(self, needs: set[tuple[int, float]], ghost_positions: torch.Tensor) -> None:
-        """With half lists of several ``(n_ghost, cutoff)`` to come, search once at the widest of both (per plan).
+    def own_images(self) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - interface
+        """``(ghost, owner)``: the ghosts (indices among the ghost rows) that are images of atoms owned here, and their owned rows."""
+        raise NotImplementedError
 
-        The narrower ones are then filtered from it by :meth:`candidate_pairs`
-        instead of searched again. ``ghost_positions``: the owners'
-        positions of the ghost rows, at least as many as the widest needs.
+    def search_widest_lists(self, needs: set[tuple[int, float, str]], ghost_positions: torch.Tensor) -> None:
+        """With lists of several ``(n_ghost, cutoff)`` of one kind to come, search once at the widest of both (per plan and kind).
+
+        ``needs``: ``(n_ghost, cutoff, kind)`` of the half and one-holder
+        lists the views will ask for. The narrower ones of a kind are then
+        filtered from its widest by :meth:`candidate_pairs` instead of
+        searched again. ``ghost_positions``: the owners' positions of the
+        ghost rows, at least as many as the widest needs.
         """
-        if len(needs) < 2:
-            return
-        n_ghost, cutoff = max(n for n, _ in needs), max(c for _, c in needs)
-        if self._pair_lists is not None and self._pair_lists.holds(self.plan_version, n_ghost, cutoff, True):
-            return
-        owned_offset, ghost_offset = self.row_offsets(self.cell.detach(), n_ghost)
-        rows = torch.cat([self.positions.detach() + owned_offset, ghost_positions[:n_ghost] + ghost_offset])
-        self.candidate_pairs(rows, n_ghost, cutoff, True)
+        for kind in sorted({k for _, _, k in needs}):
+            of_kind = [(n, c) for n, c, k in needs if k == kind]
+            if len(of_kind) < 2:
+                continue
+            n_ghost, cutoff = max(n for n, _ in of_kind), max(c for _, c in of_kind)
+            if self._pair_lists is not None and self._pair_lists.holds(self.plan_version, n_ghost, cutoff, kind):
+                continue
+            owned_offset, ghost_offset = self.row_offsets(self.cell.detach(), n_ghost)
+            rows = torch.cat([self.positions.detach() + owned_offset, ghost_positions[:n_ghost] + ghost_offset])
+            self.candidate_pairs(rows, n_ghost, cutoff, kind)
 
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
         """Ghost rows within ``width`` of a per-atom tensor, from their owners (differentiable).
@@ -468,3 +459,6 @@ class LocalDomain(Domain):
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         out = x_ghost.new_zeros((self.n_owned,) + x_ghost.shape[1:])
         return out.index_add(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)  # differentiable: its backward gathers
+
+    def own_images(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.arange(self.ghost_atom.numel(), device=self.ghost_atom.device), self.ghost_atom  # every ghost

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "pair_vectors",
     "VerletList",
     "PairLists",
+    "LIST_KINDS",
     "max_displacement",
 ]
 
@@ -149,19 +151,25 @@ def owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> torch.T
     return grouped_owned_half_pairs(rows, n_owned, cutoff).pairs
 
 
-def grouped_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None = None) -> GroupedPairs:
+def grouped_owned_half_pairs(
+    rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None = None, keys: torch.Tensor | None = None
+) -> GroupedPairs:
     """:func:`owned_half_pairs` grouped by owned row (:class:`GroupedPairs`), in a deterministic order.
 
     ``pool``: where the Warp search takes its per-row slots from and gives
     them back (tens of MB, reused from rebuild to rebuild instead of faulted
-    in afresh).
+    in afresh). ``keys``: the rows' holder keys, to search the one-holder
+    list (:func:`one_holder_pairs`) directly: with Warp the rule is tested
+    in the search, so the whole half list is never made.
     """
     if not 0 <= n_owned <= rows.shape[0]:  # the owned rows are a prefix of the rows: the kernels read every owned row
         raise ValueError(f"owned-centred pair search: n_owned={n_owned} must be between 0 and the {rows.shape[0]} rows")
     if rows.shape[0] < 2 or n_owned == 0:
         return GroupedPairs.empty(n_owned, rows.device)
     if warp_kernel("owned_half_fill", _LISTS) is not None:
-        return _warp_owned_half_pairs(rows, n_owned, cutoff, pool)
+        return _warp_owned_half_pairs(rows, n_owned, cutoff, pool, keys)
+    if keys is not None:
+        return one_holder_pairs(grouped_owned_half_pairs(rows, n_owned, cutoff), keys)
     if rows.shape[0] > 8 * n_owned:  # wide halo (D3): skip ghost-ghost pairs
         i, j = owned_pairs_cell_list(rows, n_owned, cutoff)
         keep = (j >= n_owned) | (i < j)
@@ -221,7 +229,9 @@ def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
     return GroupedPairs.from_pairs(half.pairs[:, (second < n_owned) | keeps], n_owned)
 
 
-def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None) -> GroupedPairs:
+def _warp_owned_half_pairs(
+    rows: torch.Tensor, n_owned: int, cutoff: float, pool: ScratchPool | None, keys: torch.Tensor | None = None
+) -> GroupedPairs:
     """Owned-centred half pairs by a cell list in Warp: cost proportional to the owned rows.
 
     Rows are binned into cubes (:func:`_cube_edge`) sliced along x
@@ -230,7 +240,8 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     within ``cutoff`` (3 x 3 or 5 x 5 lines of contiguous cubes, each trimmed
     to the cutoff sphere) for ghosts, and their upper half for owned rows
     (each owned pair once, from the end that sorts first). Pairs come out
-    grouped by ``i`` in a deterministic order.
+    grouped by ``i`` in a deterministic order. With ``keys``, only the pairs
+    this holder keeps (the ``owned_once`` kernels).
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
@@ -257,10 +268,12 @@ def _warp_owned_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float, pool
     order = order.to(torch.int32)
     grid = [pos, pos[order], order, slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge, edge_x]
     capacity = _slot_capacity(cell, dims, split, float(cutoff) / edge)
-    inputs = [*grid, reach, reach_x, trim_reach, float(cutoff) ** 2]
+    sorted_keys = torch.empty(0, dtype=torch.int64, device=device) if keys is None else keys[order].contiguous()
+    inputs = [*grid, reach, reach_x, trim_reach, float(cutoff) ** 2, sorted_keys]
+    kernels = "owned_half" if keys is None else "owned_once"
     if n_owned * capacity * 4 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
-        return _grouped_two_passes("owned_half", n_owned, device, [*inputs, 0])
-    return _owned_half_one_pass(n_owned, device, inputs, order, capacity, pool or ScratchPool())
+        return _grouped_two_passes(kernels, n_owned, device, [*inputs, 0])
+    return _owned_half_one_pass(kernels, n_owned, device, inputs, order, capacity, pool or ScratchPool())
 
 
 SPHERE_ROWS_FOR_HALF_CUBES = 150
@@ -320,7 +333,7 @@ def _slot_capacity(cell: torch.Tensor, dims: list[int], split: int, reach_in_cub
 
 
 def _owned_half_one_pass(
-    n_owned: int, device: torch.device, inputs: list, order: torch.Tensor, capacity: int, pool: ScratchPool
+    kernels: str, n_owned: int, device: torch.device, inputs: list, order: torch.Tensor, capacity: int, pool: ScratchPool
 ) -> GroupedPairs:
     """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows.
 
@@ -329,14 +342,14 @@ def _owned_half_one_pass(
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     slots = pool.take_flat(n_owned * capacity, torch.int32, device)
     nothing = torch.empty(0, dtype=torch.int32, device=device)
-    launch(warp_kernel("owned_half_slots", _LISTS), n_owned, device, [*inputs, capacity, nothing], [slots, counts])
+    launch(warp_kernel(f"{kernels}_slots", _LISTS), n_owned, device, [*inputs, capacity, nothing], [slots, counts])
     start = torch.zeros(n_owned + 1, dtype=torch.int32, device=device)
     torch.cumsum(counts, 0, out=start[1:])
     partners = torch.empty(int(start[-1]), dtype=torch.int32, device=device)
     if int(counts.max()) <= capacity:
         launch(warp_kernel("compact_slots", _LISTS), n_owned, device, [slots, order, capacity, start], [partners])
     else:  # a row outgrew its slots: the counts are known, so one more pass writes the pairs
-        launch(warp_kernel("owned_half_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, nothing])
+        launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, nothing])
     pool.give_flat(slots)
     return GroupedPairs(partners, start)
 
@@ -471,18 +484,28 @@ class VerletList:
         return i[keep], j[keep], s[keep]
 
 
+LIST_KINDS = ("directed", "half", "one_holder")
+"""What a :class:`PairLists` list holds: owned-centred pairs in both directions (``(2, P)``), each pair with an owned
+end once (:func:`grouped_owned_half_pairs`), or the pairs of the half list this view evaluates when every pair of the
+system is evaluated once (:func:`one_holder_pairs`)."""
+
+
 class PairLists:
     """Candidate pair lists of one domain, kept for its current ghost plan.
 
     A domain (:meth:`~halopipe.domain.Domain.candidate_pairs`) asks for the
     owned-centred pairs within ``cutoff + skin`` among its rows (owned rows,
-    then ``n_ghost`` ghosts sorted by distance). Lists are searched once per
-    plan and distinct ``(n_ghost, cutoff, half)``, so models with equal
-    widths and cutoffs share one; a half list is filtered from a wider
-    cached one of the same plan when there is one (a narrower view's rows are
-    a prefix of a wider view's: :func:`narrower_half_pairs`). Half lists are
-    :class:`GroupedPairs`, full lists ``(2, P)`` tensors. Lists of older
-    plans are dropped.
+    then ``n_ghost`` ghosts sorted by distance), of one of the
+    :data:`LIST_KINDS`. Lists are made once per plan and distinct
+    ``(n_ghost, cutoff, kind)``, so models with equal widths and cutoffs
+    share one. A half or one-holder list is filtered from a wider cached one
+    of its kind when there is one (a narrower view's rows are a prefix of a
+    wider view's: :func:`narrower_half_pairs`; which holder keeps a pair does
+    not depend on the list); a one-holder list with no wider one is filtered
+    from a half list already made (:func:`one_holder_pairs`), else searched
+    with the rule in the search, so the whole half list is never made. Half
+    and one-holder lists are :class:`GroupedPairs`, directed lists ``(2, P)``
+    tensors. Lists of older plans are dropped.
     """
 
     def __init__(self) -> None:
@@ -491,25 +514,49 @@ class PairLists:
         self._scratch = ScratchPool(keep=1)  # the search's per-row slots, from rebuild to rebuild
 
     def candidates(
-        self, version: int, rows: torch.Tensor, n_owned: int, n_ghost: int, reach: float, cutoff: float, half: bool
+        self,
+        version: int,
+        rows: torch.Tensor,
+        n_owned: int,
+        n_ghost: int,
+        reach: float,
+        cutoff: float,
+        kind: str,
+        keys: Callable[[], torch.Tensor] | None = None,
     ) -> GroupedPairs | torch.Tensor:
-        """Pairs within ``reach`` (the model's ``cutoff`` plus the skin) for plan ``version``: grouped if ``half``."""
+        """Pairs within ``reach`` (the model's ``cutoff`` plus the skin) for plan ``version``, of ``kind``.
+
+        ``keys`` makes the rows' holder keys (needed for ``"one_holder"``).
+        """
+        if kind not in LIST_KINDS:
+            raise ValueError(f"PairLists: unknown list kind {kind!r}; choose from {LIST_KINDS}")
         if version != self._version:
             self._lists, self._version = {}, version
-        key = (n_ghost, cutoff, half)
+        key = (n_ghost, cutoff, kind)
         found = self._lists.get(key)
-        if found is not None:
-            return found
-        wider = [c for k, c in self._lists.items() if half and k[2] and k[0] >= n_ghost and k[1] >= cutoff]
-        if wider:
-            found = narrower_half_pairs(min(wider, key=lambda c: c.n_pairs), rows, reach)
-        elif half:
-            found = grouped_owned_half_pairs(rows, n_owned, reach, self._scratch)
-        else:
-            found = owned_pairs(rows, n_owned, reach)
-        self._lists[key] = found
+        if found is None:
+            found = self._lists[key] = self._make(version, rows, n_owned, n_ghost, reach, cutoff, kind, keys)
         return found
 
-    def holds(self, version: int, n_ghost: int, cutoff: float, half: bool) -> bool:
-        """Whether the list of ``(n_ghost, cutoff, half)`` for plan ``version`` is already searched."""
-        return version == self._version and (n_ghost, cutoff, half) in self._lists
+    def _make(self, version, rows, n_owned, n_ghost, reach, cutoff, kind, keys) -> GroupedPairs | torch.Tensor:
+        if kind == "directed":
+            return owned_pairs(rows, n_owned, reach)
+        wider = self._smallest_wider(n_ghost, cutoff, kind)
+        if wider is not None:
+            return narrower_half_pairs(wider, rows, reach)
+        if kind == "half":
+            return grouped_owned_half_pairs(rows, n_owned, reach, self._scratch)
+        if keys is None:
+            raise ValueError("PairLists: a one-holder list needs the rows' holder keys")
+        if self._smallest_wider(n_ghost, cutoff, "half") is not None:  # filtering a list made already beats a search
+            return one_holder_pairs(self.candidates(version, rows, n_owned, n_ghost, reach, cutoff, "half"), keys())
+        return grouped_owned_half_pairs(rows, n_owned, reach, self._scratch, keys())
+
+    def _smallest_wider(self, n_ghost: int, cutoff: float, kind: str) -> GroupedPairs | None:
+        """The shortest cached list of ``kind`` over at least ``n_ghost`` ghosts and ``cutoff``, if any."""
+        wider = [found for (g, c, k), found in self._lists.items() if k == kind and g >= n_ghost and c >= cutoff]
+        return min(wider, key=lambda found: found.n_pairs) if wider else None
+
+    def holds(self, version: int, n_ghost: int, cutoff: float, kind: str) -> bool:
+        """Whether the list of ``(n_ghost, cutoff, kind)`` for plan ``version`` is already made."""
+        return version == self._version and (n_ghost, cutoff, kind) in self._lists

@@ -539,10 +539,11 @@ def build_view(
         return torch.cat([x, domain.ghost_rows(x, width)])
 
     half = bool(getattr(model, "half_list", False))
-    candidates = domain.candidate_pairs(rows.detach(), n_ghost, float(model.cutoff), half)
-    if half:
-        pairs, vec, dist = candidates, None, None  # the kernel masks by its cutoff itself: no per-step compaction
+    detached, cutoff = rows.detach(), float(model.cutoff)
+    if half:  # made on first read: a model that evaluates the one-holder list never makes the whole half list
+        pairs, vec, dist = (lambda: domain.candidate_pairs(detached, n_ghost, cutoff, "half")), None, None
     else:
+        candidates = domain.candidate_pairs(detached, n_ghost, cutoff, "directed")
         vec, dist = pair_vectors(rows, candidates)
         keep = dist.detach() <= model.cutoff
         pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
@@ -562,15 +563,21 @@ def build_view(
         n_total=domain.n_total,
         ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
         cutoff=float(model.cutoff),
-        half_list=vec is None,
+        half_list=half,
         mesh_transform=domain.mesh_transform,
         need_energy=need_energy,
         need_virial=need_virial,
         system=domain.row_systems(n_ghost) if domain.system is not None else None,
         system_sizes=domain.system_sizes,
         fold=lambda x_ghost: domain.fold_ghosts(x_ghost, width),
-        one_holder=(lambda: domain.one_holder_pairs(rows.detach(), n_ghost, float(model.cutoff))) if half else None,
+        one_holder=(lambda: domain.candidate_pairs(detached, n_ghost, cutoff, "one_holder")) if half else None,
     )
+
+
+def _pair_list_need(domain: Domain, model, halo_of) -> tuple[int, float, str]:
+    """``(n_ghost, cutoff, kind)`` of the list a half-list model's view will read (:meth:`Domain.search_widest_lists`)."""
+    kind = "one_holder" if model.one_holder_list else "half"
+    return domain.ghost_count(halo_of(model)), float(model.cutoff), kind
 
 
 # ---------------------------------------------------------------------- evaluation
@@ -622,8 +629,7 @@ def evaluate(
     widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
     ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
     steps = [s for g in pipeline.groups for s in g.steps]
-    half_lists = {(domain.ghost_count(halo_of(s.model)), float(s.model.cutoff)) for s in steps if s.model.half_list}
-    domain.search_widest_half_list(half_lists, ghost_positions)
+    domain.search_widest_lists({_pair_list_need(domain, s.model, halo_of) for s in steps if s.model.half_list}, ghost_positions)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank
     from_system = set()  # requested fields read from the system (the rest are produced): checked by field_gradient_problem
     if field_gradients:

@@ -264,14 +264,17 @@ def _canonical_pairs(view, pairs: torch.Tensor, positions: np.ndarray, cell: np.
     return [min((int(p), int(q), tuple(s.tolist())), (int(q), int(p), tuple((-s).tolist()))) for p, q, s in zip(i, j, shift)]
 
 
+@pytest.mark.parametrize("half_first", [False, True], ids=["searched", "filtered"])
 @pytest.mark.parametrize("kernels", ["warp", "torch"])
-def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, monkeypatch):
+def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first, monkeypatch):
     """Over a batch's systems and their periodic images, each pair within the list's reach is in exactly one one-holder list.
 
     Against enumerated lattice images: a small triclinic cell (the reach
     spans several images of an atom, itself included) and a cubic one in one
     batch, so ids are batch rows and shifts come from each system's cell; at
-    two cutoffs, the narrower list made from the wider one-holder list.
+    two cutoffs, the narrower list made from the wider one-holder list. The
+    wider list is searched with the rule in the search, or (``half_first``:
+    the view's whole half list read first) filtered from the half list.
     """
     from halopipe import Batch, LennardJones, System
     from halopipe.batch import BatchDomain
@@ -293,7 +296,9 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, monkeypatch
     for cutoff in (6.0, 4.0):  # the narrower list is filtered from the wider one-holder list
         model = LennardJones(0.01, 3.0, cutoff=cutoff)
         view = build_view(domain, Step(model), model.halo, domain.positions, domain.cell, {})
-        once, half = view.one_holder_pairs, view.half_pairs
+        half = view.half_pairs if half_first else None
+        once = view.one_holder_pairs
+        half = half or view.half_pairs
         assert once is view.one_holder_pairs and once.n_pairs < half.n_pairs  # kept per plan; some pairs were held twice
         first_id = 0
         for b, system in enumerate(systems):

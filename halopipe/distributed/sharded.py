@@ -292,6 +292,11 @@ class ShardedSystem(Domain):
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         return HaloFold.apply(x_ghost, self.plan, self.n_owned, self._limit(width))
 
+    def own_images(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # The rows this rank sends itself: its own atoms' images, in the order they arrive.
+        empty = torch.zeros(0, dtype=torch.int64, device=self.positions.device)
+        return self.plan.recv_slot.get(self.rank, empty), self.plan.send_index.get(self.rank, empty)
+
     # ------------------------------------------------------------ migration
     def _migrate(self, dest: torch.Tensor, peers: list[int] | None, copy: bool = False) -> bool:
         """Send each owned atom to rank ``dest``; keep atoms sorted by global id. Returns whether the arrays changed.

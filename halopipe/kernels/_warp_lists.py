@@ -32,7 +32,22 @@ def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
     return wp.max(wp.max(lower - x, x - lower - edge), wp.float64(0.0))
 
 
-def _owned_half_search(mode: int):
+@wp.func
+def _holder_keeps(key_a: wp.int64, key_b: wp.int64):
+    """Whether the holder of owned end ``a`` keeps its pair with ghost ``b`` (keys ``4 id + 2 + s``).
+
+    Ends of different ids: the smaller id's holder when the ids' sum is
+    even, the larger's when it is odd, so that the pairs across a face split
+    evenly between its two ranks however ids run through space; an atom and
+    its own image: the larger key (``s``: the image's lattice sign).
+    """
+    id_a = key_a >> wp.int64(2)
+    id_b = key_b >> wp.int64(2)
+    odd = ((id_a ^ id_b) & wp.int64(1)) == wp.int64(1)
+    return wp.where(id_a == id_b, key_a < key_b, (id_a < id_b) != odd)
+
+
+def _owned_half_search(mode: int, one_holder: bool = False):
     """The owned-centred half-pair search: one thread per owned row ``i``, each pair within the cutoff once.
 
     Rows are sorted by cube (x fastest), owned rows in one section and ghost
@@ -54,7 +69,10 @@ def _owned_half_search(mode: int):
     may exceed ``capacity`` (those are not written). Only partners are
     written, as int32: the row of a grouped list is implied by its offsets.
     Compiled variants, because a run-time "write?" test in the inner loop
-    measured 40 % slower.
+    measured 40 % slower. The ``one_holder`` variants keep a pair with a
+    ghost only when this holder keeps it (:func:`_holder_keeps`, by the keys
+    of the sorted rows ``sorted_keys``): the one-holder list in the search
+    itself, instead of a filter pass over the whole half list.
     """
 
     @wp.kernel
@@ -73,6 +91,7 @@ def _owned_half_search(mode: int):
         reach_x: wp.int32,
         reach_pad: wp.float64,
         rc2: wp.float64,
+        sorted_keys: wp.array(dtype=wp.int64),
         capacity: wp.int32,
         offsets: wp.array(dtype=wp.int32),
         partners: wp.array(dtype=wp.int32),
@@ -80,6 +99,9 @@ def _owned_half_search(mode: int):
     ):
         i = wp.tid()
         c = cell_of[i]
+        key_i = wp.int64(0)
+        if wp.static(one_holder):
+            key_i = sorted_keys[slot[i]]
         centre = rows[i]
         rel = centre - lo
         after_i = slot[i] + 1
@@ -118,6 +140,9 @@ def _owned_half_search(mode: int):
                         for s in range(s_begin, s_end):
                             d = sorted_rows[s] - centre
                             keep = wp.dot(d, d) <= rc2
+                            if wp.static(one_holder):
+                                if section == 1:
+                                    keep = wp.where(_holder_keeps(key_i, sorted_keys[s]), keep, False)
                             if wp.static(mode == FILL):
                                 if n < end:
                                     partners[n] = order[s]
@@ -136,6 +161,9 @@ def _owned_half_search(mode: int):
 owned_half_count = _owned_half_search(COUNT)
 owned_half_fill = _owned_half_search(FILL)
 owned_half_slots = _owned_half_search(SLOTS)
+owned_once_count = _owned_half_search(COUNT, one_holder=True)
+owned_once_fill = _owned_half_search(FILL, one_holder=True)
+owned_once_slots = _owned_half_search(SLOTS, one_holder=True)
 
 
 @wp.kernel
@@ -200,21 +228,6 @@ def _half_list_filter(write: bool):
 
 half_list_count = _half_list_filter(write=False)
 half_list_fill = _half_list_filter(write=True)
-
-
-@wp.func
-def _holder_keeps(key_a: wp.int64, key_b: wp.int64):
-    """Whether the holder of owned end ``a`` keeps its pair with ghost ``b`` (keys ``4 id + 2 + s``).
-
-    Ends of different ids: the smaller id's holder when the ids' sum is
-    even, the larger's when it is odd, so that the pairs across a face split
-    evenly between its two ranks however ids run through space; an atom and
-    its own image: the larger key (``s``: the image's lattice sign).
-    """
-    id_a = key_a >> wp.int64(2)
-    id_b = key_b >> wp.int64(2)
-    odd = ((id_a ^ id_b) & wp.int64(1)) == wp.int64(1)
-    return wp.where(id_a == id_b, key_a < key_b, (id_a < id_b) != odd)
 
 
 def _one_holder_filter(write: bool):

@@ -87,7 +87,10 @@ class LocalView:
         until the next rebuild (so the model may cache what it derives from
         them); the model masks by its cutoff itself. May be given as a
         :class:`~halopipe.neighbors.GroupedPairs`, whose ``(2, P)`` tensor is
-        then made on first read (:attr:`half_pairs` reads the int32 form).
+        then made on first read (:attr:`half_pairs` reads the int32 form), or
+        as a function of no arguments that makes either on first read (the
+        domain's views do, so a model that reads only
+        :attr:`one_holder_pairs` never pays for the whole half list).
     vectors, distances : ``r_j - r_i`` and its length, differentiable (None
         when ``half_list``).
     fields : per-atom inputs on all R rows.
@@ -164,7 +167,7 @@ class LocalView:
         The same object until the next rebuild. Kernels that read it never
         make the ``(2, P)`` int64 :attr:`pairs`.
         """
-        pairs = self.__dict__["_pairs"]
+        pairs = _given_pairs(self)
         return pairs if isinstance(pairs, GroupedPairs) else None
 
     @property
@@ -206,8 +209,16 @@ class LocalView:
         return self.system[: self.n_owned]
 
 
-def _get_pairs(view: LocalView) -> torch.Tensor:
+def _given_pairs(view: LocalView) -> torch.Tensor | GroupedPairs:
+    """The pairs as given, made first when they were given as a function."""
     pairs = view.__dict__["_pairs"]
+    if callable(pairs):
+        pairs = view.__dict__["_pairs"] = pairs()
+    return pairs
+
+
+def _get_pairs(view: LocalView) -> torch.Tensor:
+    pairs = _given_pairs(view)
     return pairs.pairs if isinstance(pairs, GroupedPairs) else pairs
 
 
@@ -252,7 +263,9 @@ class Model(torch.nn.Module):
     complete on the owned rows, so no ghost row's force has to be folded home:
     each pair with a ghost is then evaluated by both ranks that hold it, as
     LAMMPS's ``newton off``), ``half_list`` (True to receive the unfiltered half
-    candidate list, see :class:`LocalView`) and override :attr:`halo` when ghost atoms further than
+    candidate list, see :class:`LocalView`; with ``one_holder_list = True`` besides, the model says it reads
+    only :attr:`LocalView.one_holder_pairs`, which the domain then searches directly, with no whole half
+    list made for it) and override :attr:`halo` when ghost atoms further than
     the cutoff are needed. ``batchable = True`` says the model can take a whole batch of systems in
     one view (:mod:`halopipe.batch`): its energy is a sum of terms over the rows and pairs it is
     given, it never reads ``cell``, ``pbc`` or ``n_total``, and any sum over atoms goes through
@@ -269,6 +282,7 @@ class Model(torch.nn.Module):
     direct_forces: bool = False
     ghost_forces: bool = True
     half_list: bool = False
+    one_holder_list: bool = False
     batchable: bool = False
     own_dtype: bool = False
     stages: CompiledStages | None = None

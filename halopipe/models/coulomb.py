@@ -51,6 +51,7 @@ class DSFCoulomb(Model):
     direct_forces = True
     ghost_forces = False  # direct forces come back complete on owned rows: the model folds its ghost shares itself
     half_list = True
+    one_holder_list = True
     batchable = True
 
     def __init__(self, cutoff: float = 10.0, alpha: float = 0.2) -> None:

@@ -203,6 +203,7 @@ class SplitCoulomb(Model):
     inputs = frozenset({"charges"})
     direct_forces = False
     half_list = True
+    one_holder_list = True
 
     def __init__(self, cutoff: float, accuracy: float, alpha: float | None, kmax: float | None) -> None:
         super().__init__()

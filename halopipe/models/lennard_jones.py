@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels.lennard_jones import LJTables, lj_direct, lj_energies_autograd
-from ..kernels.pairs import HalfList, HalfListCache, pair_list_key
+from ..kernels.pairs import HalfList, HalfListCache
 from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energies_once
 
 __all__ = ["LennardJones"]
@@ -69,6 +69,7 @@ class LennardJones(Model):
     direct_forces = True
     ghost_forces = False  # direct forces come back complete on owned rows: the model folds its ghost shares itself
     half_list = True
+    one_holder_list = True
     batchable = True
 
     def __init__(self, epsilon=0.0103, sigma=3.4, cutoff: float = 8.5, shift: bool = True) -> None:
@@ -100,15 +101,19 @@ class LennardJones(Model):
         row_type = None if row_type is None else row_type.to(torch.int32).contiguous()
         return LJTables(a12.contiguous(), b6.contiguous(), shift.contiguous(), self.cutoff, row_type)
 
+    def _evaluated_list(self, view: LocalView) -> HalfList:
+        """The list this view's pairs are evaluated over: its one-holder list (a domain's view), else its half list."""
+        return self._once.get(view, one_holder=view.one_holder is not None)
+
     def _view_tables(self, view: LocalView) -> LJTables:
         """The view's parameter tables, checked against its pairs, remade only when its candidate list changes (a rebuild)."""
-        key = pair_list_key(view)
+        key = self._evaluated_list(view)
         cached = self._cached
         if cached is not None and cached[0] is key:
             return cached[1]
         species, species_index = torch.unique(view.numbers, return_inverse=True)
         if not bool(self.known[species][:, species].all()):  # some species pair lacks parameters: is it in the list?
-            half = HalfList.of_view(view)
+            half = key
             zi, zj = view.numbers[half.first], view.numbers[half.second]
             missing = ~self.known[zi, zj]
             if bool(missing.any()):
