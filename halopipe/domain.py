@@ -375,7 +375,7 @@ class _IndexGather(torch.autograd.Function):
     def forward(ctx, x, index):
         ctx.save_for_backward(index)
         ctx.n = x.shape[0]
-        return x[index]
+        return x.index_select(0, index)
 
     @staticmethod
     def backward(ctx, grad):

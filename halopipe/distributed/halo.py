@@ -43,7 +43,8 @@ class HaloPlan:
         self.comm = comm
         device = numbers.device
         order = torch.argsort(images.distance, stable=True)
-        order = order[torch.argsort(images.rank[order], stable=True)]  # by destination, then distance
+        if images.rank.numel() and not _all_equal(images.rank):  # by destination, then distance
+            order = order[torch.argsort(images.rank[order], stable=True)]
         self.send_atom = images.atom[order]
         send_rank = images.rank[order]
         send_dist = images.distance[order]
@@ -62,7 +63,8 @@ class HaloPlan:
             torch.cat([recv_dist[s] for s in sorted(recv_dist)])[:, 0] if recv_dist else torch.zeros(0, dtype=torch.float64, device=device)
         )
         self.recv_dist = {s: recv_dist[s][:, 0] for s in recv_dist}
-        ghost_order = torch.argsort(blocks_dist, stable=True)
+        # Each source sends in ascending distance: one source's block is in order already.
+        ghost_order = torch.argsort(blocks_dist, stable=True) if len(recv_dist) > 1 else torch.arange(blocks_dist.numel(), device=device)
         self.ghost_numbers = blocks_int[ghost_order, 0]
         self.ghost_ids = blocks_int[ghost_order, 1]
         self.ghost_shift = blocks_int[ghost_order, 2:5]
@@ -102,19 +104,20 @@ class HaloPlan:
     def forward_rows(self, x: torch.Tensor, limit: float) -> torch.Tensor:
         """Ghost rows (within ``limit``) of a per-atom tensor, from the owners."""
         send, recv, n_ghost = self.counts(limit)
-        sends = {d: x[self.send_index[d][:k]] for d, k in send.items()}
+        # index_select / index_copy_: half the time of x[index] / out[index] = y on the CPU (measured, 20,000 rows)
+        sends = {d: x.index_select(0, self.send_index[d][:k]) for d, k in send.items()}
         shapes = {s: (k,) + tuple(x.shape[1:]) for s, k in recv.items()}
         got = self.comm.exchange(sends, shapes, x.dtype, x.device)
         out = x.new_empty((n_ghost,) + tuple(x.shape[1:]))
         for s, k in recv.items():
             if k:
-                out[self.recv_slot[s][:k]] = got[s]
+                out.index_copy_(0, self.recv_slot[s][:k], got[s])
         return out
 
     def backward_rows(self, g: torch.Tensor, n_owned: int, limit: float) -> torch.Tensor:
         """Adjoint of :meth:`forward_rows`: ghost-row values summed into owners."""
         send, recv, _ = self.counts(limit)
-        sends = {s: g[self.recv_slot[s][:k]] for s, k in recv.items()}
+        sends = {s: g.index_select(0, self.recv_slot[s][:k]) for s, k in recv.items()}
         shapes = {d: (k,) + tuple(g.shape[1:]) for d, k in send.items()}
         got = self.comm.exchange(sends, shapes, g.dtype, g.device)
         out = g.new_zeros((n_owned,) + tuple(g.shape[1:]))
@@ -122,6 +125,11 @@ class HaloPlan:
             if k:
                 out.index_add_(0, self.send_index[d][:k], got[d])
         return out
+
+
+def _all_equal(x: torch.Tensor) -> bool:
+    low, high = torch.aminmax(x)
+    return bool(low == high)
 
 
 class HaloGather(torch.autograd.Function):
