@@ -299,11 +299,11 @@ def _halopipe_pipeline(case: str, data):
 
 
 def nacl_pipeline(coulomb, config=None):
-    """nacl-4k's LJ (direct forces) + ``coulomb`` (an Ewald-type model, autograd)."""
+    """nacl-4k's LJ + ``coulomb`` (an Ewald-type model): direct forces, or autograd for a model without them (``Ewald``)."""
     from halopipe import DomainConfig, Group, LennardJones, Pipeline, Step
 
     lj = LennardJones(NACL["epsilon"], NACL["sigma"], NACL["cutoff"])
-    return Pipeline([Group([Step(lj)], autograd=False), Group([Step(coulomb)], autograd=True)], config=config or DomainConfig(skin=SKIN))
+    return Pipeline([Group([Step(lj)], autograd=False), Group([Step(coulomb)])], config=config or DomainConfig(skin=SKIN))
 
 
 def nacl_forces(config: str, coulomb) -> np.ndarray:

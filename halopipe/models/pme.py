@@ -174,7 +174,17 @@ class PME(SplitCoulomb):
     Consumes the per-atom field ``charges`` (e); the cell must be periodic
     along all three axes. See the module docstring for the replicated-mesh
     cost under domain decomposition.
+
+    Direct forces (a group with ``autograd=False``, for charges that are not
+    a wired field): the real-space pairs through the pair kernel's forces,
+    each pair of the system once, and the reciprocal forces
+    ``-q_i grad phi(r_i)`` from the forward's own interpolation, with no
+    autograd graph. The virial, when asked for, is ``-dE/d(strain)`` of the
+    autograd energy, evaluated locally by every rank together.
     """
+
+    direct_forces = True
+    ghost_forces = False  # direct forces come back complete on owned rows: the real-space ghost shares are folded home
 
     def __init__(
         self,
@@ -239,12 +249,30 @@ class PME(SplitCoulomb):
 
     def reciprocal_and_total_charge(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Owned reciprocal energies and ``Q``; ``Q`` rides on the small all-reduce of :func:`_reciprocal_shares`."""
+        stencil, convolution, kernel = self._mesh_pieces(view)
+        return _reciprocal_shares(stencil.u, q_owned, kernel, stencil, convolution, view.global_sum)
+
+    def reciprocal_forces(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Owned reciprocal energies ``q_i phi_i / 2`` and forces ``-q_i grad phi(r_i)``, without autograd (direct forces).
+
+        ``grad phi`` is the interpolation's gradient in mesh coordinates
+        ``u = n (r @ cell^-1)``, taken to Cartesian by ``du/dr``.
+        """
+        stencil, convolution, kernel = self._mesh_pieces(view)
+        potential, _, _ = convolution(stencil.spread(q_owned), kernel)
+        phi, dphi = stencil.interpolate(potential)
+        sizes = torch.tensor(stencil.box.sizes, dtype=dphi.dtype, device=dphi.device)
+        forces = -(q_owned[:, None] * dphi * sizes) @ torch.linalg.inv(view.cell).T
+        return 0.5 * q_owned * phi, forces
+
+    def _mesh_pieces(self, view: LocalView) -> tuple[Stencil, object, torch.Tensor]:
+        """The owned atoms' stencil, the convolution (replicated or distributed mesh) and the kernel ``G`` it uses."""
         sizes = self.mesh(view.cell)
         decomposition = self.mesh_mode if self.mesh_mode in ("slab", "pencil") else "auto"
         transform = view.mesh_transform(sizes, decomposition) if view.mesh_transform is not None else None
         if transform is not None and self._distributes(transform):
-            return self._reciprocal_distributed(view, q_owned, transform)
-        return self._reciprocal_replicated(view, q_owned, sizes)
+            return self._distributed_pieces(view, transform)
+        return self._replicated_pieces(view, sizes)
 
     def _distributes(self, transform: MeshTransform) -> bool:
         """Whether this evaluation uses the distributed mesh (see ``mesh`` in the class docstring)."""
@@ -253,24 +281,20 @@ class PME(SplitCoulomb):
             return bool(thresholds) and math.prod(transform.sizes) >= min(thresholds)
         return self.mesh_mode != "replicated"
 
-    def _reciprocal_replicated(self, view: LocalView, q_owned: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replicated_pieces(self, view: LocalView, sizes: list[int]) -> tuple[Stencil, object, torch.Tensor]:
         """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
         transform = self._whole_mesh.get(tuple(sizes))
         if transform is None:
             transform = self._whole_mesh[tuple(sizes)] = LocalMeshTransform(sizes)
         stencil = Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True)
-        convolution = _ReplicatedConvolution(transform, view.global_sum)
-        return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
+        return stencil, _ReplicatedConvolution(transform, view.global_sum), self._kernel(view.cell, transform)
 
-    def _reciprocal_distributed(
-        self, view: LocalView, q_owned: torch.Tensor, transform: MeshTransform
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _distributed_pieces(self, view: LocalView, transform: MeshTransform) -> tuple[Stencil, object, torch.Tensor]:
         """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
         stencil = Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order)
         boxmap = transform.boxes(stencil.lo, stencil.extent)
         stencil.use_box(boxmap.lo, boxmap.extent)
-        convolution = _DistributedConvolution(transform, boxmap)
-        return _reciprocal_shares(stencil.u, q_owned, self._kernel(view.cell, transform), stencil, convolution, view.global_sum)
+        return stencil, _DistributedConvolution(transform, boxmap), self._kernel(view.cell, transform)
 
 
 class _ReplicatedConvolution:

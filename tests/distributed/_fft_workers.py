@@ -158,6 +158,8 @@ def _pme_pipelines(mode: str, sizes, config) -> dict:
 
     return {
         "fixed_charges": Pipeline([Group([Step(pme())], autograd=True)], config=config),
+        # Direct forces (no autograd graph; the virial by a local strain derivative, collectively).
+        "direct": Pipeline([Group([Step(pme())], autograd=False)], config=config),
         # Charges that depend on positions: forces then include dE/dq * dq/dr, so they test dE/dq.
         "charge_model": Pipeline([Group([Step(ChargeModel(3.5, coordination_weight=0.05)), Step(pme())], autograd=True)], config=config),
     }

@@ -4,9 +4,11 @@ Mesh sizes do not divide by the process grid. ``mesh="distributed"`` lets
 the FFT pick its grid (``choose_grid``): slabs on 2 and 3 ranks, pencils on 4,
 6 and 8; on 8 ranks one mesh has fewer planes (6) than ranks, where only
 pencils balance. ``mesh="slab"`` and ``mesh="pencil"`` force the other
-choice, so both decompositions run on 2, 4 and 8 ranks. Energy, forces and
-stress are compared for fixed charges and for position-dependent charges
-(ChargeModel -> PME), whose forces carry dE/dq.
+choice, so both decompositions run on 2, 4 and 8 ranks (and ``"replicated"``
+the whole mesh on each of 2). Energy, forces and
+stress are compared for fixed charges (in an autograd group and as direct
+forces) and for position-dependent charges (ChargeModel -> PME), whose
+forces carry dE/dq.
 """
 
 import pytest
@@ -21,6 +23,7 @@ CASES = {
     2: [
         dict(grid=(2, 1, 1), sizes=(15, 10, 12), mesh="distributed", fft=(2, 1)),
         dict(grid=(1, 1, 2), sizes=(9, 11, 10), mesh="pencil", fft=(1, 2)),
+        dict(grid=(2, 1, 1), sizes=(15, 10, 12), mesh="replicated", fft=(2, 1)),  # every rank the whole mesh
     ],
     3: [
         dict(grid=(3, 1, 1), sizes=(10, 10, 12), mesh="distributed", fft=(1, 3)),
@@ -45,7 +48,7 @@ def test_distributed_mesh_equals_replicated(world_size):
     results = spawn(run_pme_cases, world_size, cases, timeout=360)[0]
     for case, r in zip(CASES[world_size], results):
         assert r["process_grid"] == case["fft"], (world_size, case, r["process_grid"])
-        for name in ("fixed_charges", "charge_model"):
+        for name in ("fixed_charges", "direct", "charge_model"):
             label = (world_size, case, name, r[name])
             assert r[name]["energy_rel"] < 1e-12, label
             assert r[name]["force"] < 1e-10, label

@@ -18,7 +18,7 @@ from torchpme.lib import KSpaceFilter, KSpaceKernel
 from halopipe.kernels.mesh import SplineBox, interpolate_mesh, mesh_coordinates, spread_charges, support_start
 from halopipe.meshfft import LocalMeshTransform
 from halopipe.models.base import LocalView
-from halopipe.models.pme import PME, bspline_influence, spme_kernel
+from halopipe.models.pme import PME, _reciprocal_shares, bspline_influence, spme_kernel
 
 from ..conftest import random_ionic_cell
 
@@ -46,17 +46,22 @@ def _view(positions: torch.Tensor, cell: torch.Tensor, numbers: torch.Tensor) ->
     )
 
 
+def _reciprocal_energies(pme: PME, view, q: torch.Tensor, path: str) -> torch.Tensor:
+    """The owned reciprocal energies through the whole mesh (``"replicated"``) or a box of it (``"distributed"``)."""
+    sizes = pme.mesh(view.cell)
+    if path == "replicated":
+        stencil, convolution, kernel = pme._replicated_pieces(view, sizes)
+    else:
+        stencil, convolution, kernel = pme._distributed_pieces(view, LocalMeshTransform(sizes))
+    return _reciprocal_shares(stencil.u, q, kernel, stencil, convolution, view.global_sum)[0]
+
+
 def _energy_and_gradients(pme: PME, system, path: str, shift: torch.Tensor):
     positions = (system.positions + shift).clone().requires_grad_(True)  # shift moves atoms out of the cell: boxes wrap
     cell = system.cell.clone().requires_grad_(True)
     q = system.fields["charges"].clone().requires_grad_(True)
     view = _view(positions, cell, system.numbers)
-    sizes = pme.mesh(cell)
-    if path == "replicated":
-        energies = pme._reciprocal_replicated(view, q, sizes)[0]
-    else:
-        energies = pme._reciprocal_distributed(view, q, LocalMeshTransform(sizes))[0]
-    energy = energies.sum()
+    energy = _reciprocal_energies(pme, view, q, path).sum()
     return (energy, *torch.autograd.grad(energy, (positions, q, cell)))
 
 
@@ -153,10 +158,7 @@ def test_backward_equals_autograd_through_the_mesh(path, weights):
         return (total, *torch.autograd.grad(total, (positions, q, cell)))
 
     def model(positions, cell, q):
-        view = _view(positions, cell, system.numbers)
-        if path == "replicated":
-            return pme._reciprocal_replicated(view, q, pme.mesh(cell))[0]
-        return pme._reciprocal_distributed(view, q, LocalMeshTransform(pme.mesh(cell)))[0]
+        return _reciprocal_energies(pme, _view(positions, cell, system.numbers), q, path)
 
     ref = weighted(lambda positions, cell, q: _autograd_shares(pme, positions, cell, q))
     got = weighted(model)
