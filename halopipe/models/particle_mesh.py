@@ -98,7 +98,7 @@ def _periodic_cover(first: torch.Tensor, n: int, order: int) -> tuple[int, int]:
     """
     if first.numel() == 0:
         return 0, 0
-    points = torch.unique(first)  # sorted
+    points = (torch.bincount(first, minlength=n) > 0).nonzero().squeeze(1)  # sorted; a quarter of torch.unique's time
     gaps = torch.diff(points, append=points[:1] + n)  # gap after each point, the last one wrapping around
     widest = int(torch.argmax(gaps))
     length = n - int(gaps[widest]) + order
@@ -116,9 +116,12 @@ class Stencil:
     Its cost is one sort per axis of the atoms' first support points.
     """
 
-    def __init__(self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int, whole_mesh: bool = False) -> None:
+    def __init__(
+        self, cell: torch.Tensor, positions: torch.Tensor, sizes, order: int, whole_mesh: bool = False, inverse: torch.Tensor | None = None
+    ) -> None:
         sizes = tuple(int(n) for n in sizes)
-        self.u = mesh_coordinates(positions, cell, sizes)  # differentiable: forces and strain derivative flow through it
+        # differentiable: forces and strain derivative flow through it; ``inverse``: ``cell^-1`` when known already
+        self.u = mesh_coordinates(positions, cell, sizes, inverse)
         self.first = support_start(self.u, order)
         if whole_mesh:
             self.box = SplineBox(order, sizes)

@@ -212,6 +212,7 @@ class PME(SplitCoulomb):
         self.fixed_mesh = mesh_size
         self.mesh_spacing = float(mesh_spacing) if mesh_spacing is not None else default_mesh_spacing(self.alpha, accuracy, self.order)
         self._cached_kernel: tuple | None = None  # (cell, transform, kernel) for the last constant cell
+        self._cached_inverse: tuple | None = None  # (cell, cell^-1) for the last constant cell
         self._whole_mesh: dict[tuple, LocalMeshTransform] = {}  # the replicated path's FFT, per mesh size
 
     def mesh(self, cell: torch.Tensor) -> list[int]:
@@ -223,6 +224,16 @@ class PME(SplitCoulomb):
                 "raise order (up to 5), loosen accuracy, or pass a larger mesh_spacing"
             )
         return sizes
+
+    def _inverse(self, cell: torch.Tensor) -> torch.Tensor:
+        """``cell^-1``, reused while the cell is unchanged (a cell with a graph, strained for the stress, gets its own)."""
+        cached = self._cached_inverse
+        if cached is not None and not cell.requires_grad and same_tensor(cached[0], cell):
+            return cached[1]
+        inverse = torch.linalg.inv(cell)
+        if not cell.requires_grad:
+            self._cached_inverse = (cell.detach().clone(), inverse)
+        return inverse
 
     def _kernel(self, cell: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
         """``G(m)`` at the k-points ``transform`` gives this process, reused while the cell is unchanged.
@@ -262,7 +273,7 @@ class PME(SplitCoulomb):
         potential, _, _ = convolution(stencil.spread(q_owned), kernel)
         phi, dphi = stencil.interpolate(potential)
         sizes = torch.tensor(stencil.box.sizes, dtype=dphi.dtype, device=dphi.device)
-        forces = -(q_owned[:, None] * dphi * sizes) @ torch.linalg.inv(view.cell).T
+        forces = -(q_owned[:, None] * dphi * sizes) @ self._inverse(view.cell).T
         return 0.5 * q_owned * phi, forces
 
     def _mesh_pieces(self, view: LocalView) -> tuple[Stencil, object, torch.Tensor]:
@@ -286,12 +297,12 @@ class PME(SplitCoulomb):
         transform = self._whole_mesh.get(tuple(sizes))
         if transform is None:
             transform = self._whole_mesh[tuple(sizes)] = LocalMeshTransform(sizes)
-        stencil = Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True)
+        stencil = Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True, inverse=self._inverse(view.cell))
         return stencil, _ReplicatedConvolution(transform, view.global_sum), self._kernel(view.cell, transform)
 
     def _distributed_pieces(self, view: LocalView, transform: MeshTransform) -> tuple[Stencil, object, torch.Tensor]:
         """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
-        stencil = Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order)
+        stencil = Stencil(view.cell, view.positions[: view.n_owned], transform.sizes, self.order, inverse=self._inverse(view.cell))
         boxmap = transform.boxes(stencil.lo, stencil.extent)
         stencil.use_box(boxmap.lo, boxmap.extent)
         return stencil, _DistributedConvolution(transform, boxmap), self._kernel(view.cell, transform)
