@@ -30,6 +30,21 @@ def test_matches_ase_on_periodic_triclinic(autograd, cutoff):
     np.testing.assert_allclose(out["stress"].numpy(), atoms.get_stress(voigt=False), atol=1e-13)
 
 
+@pytest.mark.parametrize("autograd", [True, False])
+def test_evaluates_its_one_holder_list_without_a_whole_half_list(autograd):
+    """LennardJones reads only its one-holder list: the domain searches that list with the rule, and no half list is made.
+
+    A model reading the view's half list would have the domain search it
+    (and the one-holder list filtered from it); the forces match ASE either way.
+    """
+    atoms = _argon()
+    atoms.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=7.0)
+    pipeline = Pipeline([Group([LennardJones(0.0103, 3.4, 7.0)], autograd=autograd)])
+    out = pipeline(System.from_ase(atoms))
+    assert {kind for _, _, kind in pipeline._domain._pair_lists._lists} == {"one_holder"}
+    np.testing.assert_allclose(out["forces"].numpy(), atoms.get_forces(), atol=1e-12)
+
+
 def test_matches_ase_on_non_periodic_cluster():
     s = cluster(25, species=(18,), charges=False)
     atoms = s.to_ase()
