@@ -36,7 +36,7 @@ import torch
 from ..kernels.coulomb import DampedCoulomb, coulomb_terms
 from ..kernels.ewald import real_space_energies_autograd
 from ..kernels.pairs import HalfListCache
-from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energies_once
+from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energies_once, virial_from_forces
 from .coulomb import COULOMB_CONSTANT
 
 __all__ = [
@@ -247,17 +247,20 @@ class SplitCoulomb(Model):
         )
         return ModelOutput(energies=energies)
 
-    def reciprocal_forces(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover
-        """Owned reciprocal energies and forces without autograd (subclasses with ``direct_forces``)."""
+    def reciprocal_forces(
+        self, view: LocalView, q_owned: torch.Tensor, virial: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # pragma: no cover - interface
+        """Owned reciprocal energies, forces and (if asked) virial share without autograd (subclasses with ``direct_forces``)."""
         raise NotImplementedError
 
     def _direct(self, view: LocalView) -> ModelOutput:
         """Forces (owned rows), energies and virial as the view asks, for fixed charges (see :class:`~halopipe.models.PME`).
 
         Real space over the one-holder list, the ghost ends' shares folded
-        home; the self and background terms exert no force, so ``Q`` is
-        summed over ranks only when the energies are wanted; the virial is
-        that of the autograd energy under a strain (:meth:`_virial_by_strain`).
+        home, its virial the pairs' ``sum r (x) f``; the self term exerts no
+        force and does not strain; the background term exerts no force and
+        strains as ``1 / V`` (virial ``E_bg 1``), so ``Q`` is summed over
+        ranks only when energies or virial are wanted.
         """
         q = view.fields["charges"].to(view.positions.dtype)
         n = view.n_owned
@@ -266,32 +269,19 @@ class SplitCoulomb(Model):
         pair = DampedCoulomb(self.cutoff, self.alpha, COULOMB_CONSTANT)
         row_energies, row_forces, _ = coulomb_terms(view.positions, q, once, pair, view.positions.new_ones(view.n_rows), charge_grad=False)
         forces, real = fold_ghost_shares(view, row_forces, row_energies if view.need_energy else None)
-        reciprocal, reciprocal_forces = self.reciprocal_forces(view, q_owned)
+        reciprocal, reciprocal_forces, virial = self.reciprocal_forces(view, q_owned, view.need_virial)
         forces = forces + reciprocal_forces
         energies = None
-        if view.need_energy:
+        if view.need_energy or view.need_virial:
             volume = torch.linalg.det(view.cell).abs()
-            total_charge = view.global_sum(q_owned.sum())
-            background = background_energies(q_owned, total_charge, volume, self.alpha)
+            background = background_energies(q_owned, view.global_sum(q_owned.sum()), volume, self.alpha)
+        if view.need_energy:
             energies = real + self_energies(q_owned, self.alpha) + background + reciprocal
-        virial = self._virial_by_strain(view) if view.need_virial else None
+        if view.need_virial:
+            centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)  # less cancellation far from the origin
+            eye = torch.eye(3, dtype=virial.dtype, device=virial.device)
+            virial = virial + virial_from_forces(view.positions - centre, row_forces) + background.sum() * eye
         return ModelOutput(energies=energies, forces=forces, virial=virial)
-
-    def _virial_by_strain(self, view: LocalView) -> torch.Tensor:
-        """This view's share of ``W = -dE/d(strain)``: the autograd energy of the rows and cell under a strain, differentiated here.
-
-        The collectives inside (the fold, the global sums, a distributed
-        mesh) are differentiated collectively: every rank asks for the
-        virial at the same evaluation, so their backward passes meet; summed
-        over ranks the shares give the whole virial, as an autograd group's do.
-        """
-        with torch.enable_grad():
-            eps = torch.zeros(3, 3, dtype=view.positions.dtype, device=view.positions.device, requires_grad=True)
-            strain = torch.eye(3, dtype=eps.dtype, device=eps.device) + eps
-            strained = view.replace(positions=view.positions.detach() @ strain, cell=view.cell.detach() @ strain)
-            energy = self.forward(strained).energies.sum() + 0.0 * eps.sum()  # keeps a graph on a rank without atoms
-            (grad,) = torch.autograd.grad(energy, eps)
-        return -grad
 
     def extra_repr(self) -> str:
         return f"cutoff={self.cutoff}, accuracy={self.accuracy:g}, alpha={self.alpha:.6g}, kmax={self.kmax:.6g}"

@@ -179,8 +179,9 @@ class PME(SplitCoulomb):
     a wired field): the real-space pairs through the pair kernel's forces,
     each pair of the system once, and the reciprocal forces
     ``-q_i grad phi(r_i)`` from the forward's own interpolation, with no
-    autograd graph. The virial, when asked for, is ``-dE/d(strain)`` of the
-    autograd energy, evaluated locally by every rank together.
+    autograd graph; the virial, when asked for, in closed form (the pairs'
+    ``sum r (x) f``, the reciprocal sum's strain derivative of ``G(k)``, the
+    background's ``E 1``).
     """
 
     direct_forces = True
@@ -245,11 +246,9 @@ class PME(SplitCoulomb):
         cached = self._cached_kernel
         if cached is not None and not cell.requires_grad and cached[1] is transform and same_tensor(cached[0], cell):
             return cached[2]
-        sizes = transform.sizes
         m0, m1, m2 = transform.frequencies(cell.device)
-        reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
-        k = m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
-        influence_m = influence(m0, m1, m2, sizes, self.order, cell.dtype, cell.device)
+        k = _wavevectors(cell, transform)
+        influence_m = influence(m0, m1, m2, transform.sizes, self.order, cell.dtype, cell.device)
         kernel = spme_kernel((k * k).sum(-1), self.alpha, torch.linalg.det(cell).abs(), influence_m)
         if not cell.requires_grad:
             self._cached_kernel = (cell.detach().clone(), transform, kernel)
@@ -263,18 +262,31 @@ class PME(SplitCoulomb):
         stencil, convolution, kernel = self._mesh_pieces(view)
         return _reciprocal_shares(stencil.u, q_owned, kernel, stencil, convolution, view.global_sum)
 
-    def reciprocal_forces(self, view: LocalView, q_owned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Owned reciprocal energies ``q_i phi_i / 2`` and forces ``-q_i grad phi(r_i)``, without autograd (direct forces).
+    def reciprocal_forces(
+        self, view: LocalView, q_owned: torch.Tensor, virial: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Owned reciprocal energies ``q_i phi_i / 2``, forces ``-q_i grad phi(r_i)``, this rank's virial share if asked; no autograd.
 
         ``grad phi`` is the interpolation's gradient in mesh coordinates
-        ``u = n (r @ cell^-1)``, taken to Cartesian by ``du/dr``.
+        ``u = n (r @ cell^-1)``, taken to Cartesian by ``du/dr``. Under a
+        strain the mesh coordinates, hence ``S(k)``, do not change; only
+        ``G(k)`` does (through ``V`` and ``k``), so the virial is
+        ``W = sum_k E_k [1 - 2 (1 / k^2 + 1 / (4 alpha^2)) k k]`` with
+        ``E_k = |S(k)|^2 G(k) / 2`` over this rank's share of the k-points.
         """
         stencil, convolution, kernel = self._mesh_pieces(view)
-        potential, _, _ = convolution(stencil.spread(q_owned), kernel)
+        potential, spectrum, share = convolution(stencil.spread(q_owned), kernel)
         phi, dphi = stencil.interpolate(potential)
         sizes = torch.tensor(stencil.box.sizes, dtype=dphi.dtype, device=dphi.device)
         forces = -(q_owned[:, None] * dphi * sizes) @ self._inverse(view.cell).T
-        return 0.5 * q_owned * phi, forces
+        w = None
+        if virial:
+            energy_k = 0.5 * spectrum.abs().square() * kernel * convolution.multiplicity * share
+            k = _wavevectors(view.cell, convolution.transform)
+            k_sq = (k * k).sum(-1)
+            strain = torch.where(k_sq > 0, 2.0 * (1.0 / torch.where(k_sq > 0, k_sq, 1.0) + 0.25 / self.alpha**2), 0.0)
+            w = energy_k.sum() * torch.eye(3, dtype=k.dtype, device=k.device) - torch.einsum("...a,...b,...->ab", k, k, strain * energy_k)
+        return 0.5 * q_owned * phi, forces, w
 
     def _mesh_pieces(self, view: LocalView) -> tuple[Stencil, object, torch.Tensor]:
         """The owned atoms' stencil, the convolution (replicated or distributed mesh) and the kernel ``G`` it uses."""
@@ -342,6 +354,13 @@ class _DistributedConvolution:
     def __call__(self, box: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
         spectrum = self.transform.forward(self.boxmap.to_mesh(box))
         return self.boxmap.from_mesh(self.transform.inverse(spectrum * kernel)), spectrum, 1.0
+
+
+def _wavevectors(cell: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+    """``k = 2 pi m @ cell^-T`` (..., 3) at the k-points ``transform`` gives this process (differentiable in ``cell``)."""
+    m0, m1, m2 = transform.frequencies(cell.device)
+    reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
+    return m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
 
 
 def _reciprocal_shares(u, q, kernel, stencil: Stencil, convolve, global_sum) -> tuple[torch.Tensor, torch.Tensor]:
