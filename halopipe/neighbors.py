@@ -245,30 +245,30 @@ def _warp_owned_half_pairs(
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
-    lo = pos.min(dim=0).values
-    extent = (pos.max(dim=0).values - lo).tolist()
+    lo, hi = torch.aminmax(pos, dim=0)
+    extent = (hi - lo).tolist()
     edge = _cube_edge(float(cutoff), pos.shape[0] / max(math.prod(max(e, float(cutoff)) for e in extent), 1e-30))
     split = max(round(X_SLICES_PER_CUTOFF * edge / float(cutoff)), 1)  # x slices per cube
     while math.prod(int(e / edge) + 1 for e in extent) * split > 8 * pos.shape[0] + 4096:  # sparse rows: coarser cubes
         edge *= 2.0
     edge_x = edge / split
     reach, reach_x = math.ceil(float(cutoff) / edge), math.ceil(float(cutoff) / edge_x)
-    cell = torch.floor((pos - lo) / torch.tensor([edge_x, edge, edge], dtype=pos.dtype, device=device)).to(torch.int32)
+    cell = (pos - lo).div_(torch.tensor([edge_x, edge, edge], dtype=pos.dtype, device=device)).floor_().to(torch.int32)
     dims = [int(d) for d in (cell.max(dim=0).values + 1).tolist()]
     n_cells = math.prod(dims)
     cell_id = (cell[:, 2].long() * dims[1] + cell[:, 1]) * dims[0] + cell[:, 0]
     cell_id[n_owned:] += n_cells  # ghosts in a section of their own, after the owned rows
     order = torch.argsort(cell_id, stable=True)
-    slot = torch.empty_like(order, dtype=torch.int32)
-    slot[order] = torch.arange(order.numel(), dtype=torch.int32, device=device)
+    slot = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(order.numel(), dtype=torch.int32, device=device))
     cell_start = torch.zeros(2 * n_cells + 1, dtype=torch.int32, device=device)
     cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells), 0)
     wp = warp_module()
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
     order = order.to(torch.int32)
-    grid = [pos, pos[order], order, slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge, edge_x]
+    sorted_rows = pos.index_select(0, order)  # half the time of pos[order] on the CPU
+    grid = [pos, sorted_rows, order, slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge, edge_x]
     capacity = _slot_capacity(cell, dims, split, float(cutoff) / edge)
-    sorted_keys = torch.empty(0, dtype=torch.int64, device=device) if keys is None else keys[order].contiguous()
+    sorted_keys = torch.empty(0, dtype=torch.int64, device=device) if keys is None else keys.index_select(0, order)
     inputs = [*grid, reach, reach_x, trim_reach, float(cutoff) ** 2, sorted_keys]
     kernels = "owned_half" if keys is None else "owned_once"
     if n_owned * capacity * 4 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
