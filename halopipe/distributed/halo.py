@@ -54,10 +54,12 @@ class HaloPlan:
         starts = dict(zip(self.send_counts, (torch.cumsum(counts, 0) - counts).tolist()))
         self.send_index = {d: self.send_atom[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
         self.send_dist = {d: send_dist[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
-        # Metadata travels once per rebuild: species, id, image shift, distance.
-        meta_int = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order]], dim=1)
-        recv_int = self._exchange_rows(meta_int, torch.int64)
-        recv_dist = self._exchange_rows(send_dist[:, None], torch.float64)
+        # Metadata travels once per rebuild, in one message: species, id, image shift, and the distance as its bits.
+        bits = send_dist.contiguous().view(torch.int64)[:, None]
+        meta = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order], bits], dim=1)
+        received = self._exchange_rows(meta, torch.int64)
+        recv_int = {s: rows[:, :5] for s, rows in received.items()}
+        recv_dist = {s: rows[:, 5:].contiguous().view(torch.float64) for s, rows in received.items()}
         blocks_int = torch.cat([recv_int[s] for s in sorted(recv_int)]) if recv_int else torch.zeros(0, 5, dtype=torch.int64, device=device)
         blocks_dist = (
             torch.cat([recv_dist[s] for s in sorted(recv_dist)])[:, 0] if recv_dist else torch.zeros(0, dtype=torch.float64, device=device)

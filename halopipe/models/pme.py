@@ -295,7 +295,7 @@ class PME(SplitCoulomb):
         transform = view.mesh_transform(sizes, decomposition) if view.mesh_transform is not None else None
         if transform is not None and self._distributes(transform):
             return self._distributed_pieces(view, transform)
-        return self._replicated_pieces(view, sizes)
+        return self._replicated_pieces(view, sizes, alone=transform is not None and transform.parts == 1)
 
     def _distributes(self, transform: MeshTransform) -> bool:
         """Whether this evaluation uses the distributed mesh (see ``mesh`` in the class docstring)."""
@@ -304,13 +304,13 @@ class PME(SplitCoulomb):
             return bool(thresholds) and math.prod(transform.sizes) >= min(thresholds)
         return self.mesh_mode != "replicated"
 
-    def _replicated_pieces(self, view: LocalView, sizes: list[int]) -> tuple[Stencil, object, torch.Tensor]:
-        """Every rank spreads its owned charges on the whole mesh; one global sum completes it."""
+    def _replicated_pieces(self, view: LocalView, sizes: list[int], alone: bool = False) -> tuple[Stencil, object, torch.Tensor]:
+        """Every rank spreads its owned charges on the whole mesh; one global sum completes it (none when ``alone``: one process)."""
         transform = self._whole_mesh.get(tuple(sizes))
         if transform is None:
             transform = self._whole_mesh[tuple(sizes)] = LocalMeshTransform(sizes)
         stencil = Stencil(view.cell, view.positions[: view.n_owned], sizes, self.order, whole_mesh=True, inverse=self._inverse(view.cell))
-        return stencil, _ReplicatedConvolution(transform, view.global_sum), self._kernel(view.cell, transform)
+        return stencil, _ReplicatedConvolution(transform, None if alone else view.global_sum), self._kernel(view.cell, transform)
 
     def _distributed_pieces(self, view: LocalView, transform: MeshTransform) -> tuple[Stencil, object, torch.Tensor]:
         """Spread onto this rank's support box, FFT over the ranks' blocks, filter owned k-points, interpolate back."""
@@ -326,7 +326,7 @@ class _ReplicatedConvolution:
     Called with each rank's whole-mesh box; returns the potential mesh (the
     same on every rank), the spectrum ``S`` of the summed charge mesh and this
     rank's share ``1 / P`` of the kernel gradient (every rank holds all
-    k-points). ``P`` rides on the all-reduce as one extra element.
+    k-points). ``P`` rides on the all-reduce as one extra element. ``global_sum`` None: a process alone.
     """
 
     def __init__(self, transform: LocalMeshTransform, global_sum) -> None:
@@ -335,6 +335,9 @@ class _ReplicatedConvolution:
         self.multiplicity = half_spectrum_multiplicity(m2, transform.sizes[2])
 
     def __call__(self, box: torch.Tensor, kernel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        if self.global_sum is None:  # one process: nothing to sum, and no copy of the mesh to append the counter to
+            spectrum = self.transform.forward(box)
+            return self.transform.inverse(spectrum * kernel), spectrum, 1.0
         summed = self.global_sum(torch.cat([box.reshape(-1), box.new_ones(1)]))
         spectrum = self.transform.forward(summed[:-1].reshape(box.shape))
         return self.transform.inverse(spectrum * kernel), spectrum, 1.0 / float(summed[-1])
