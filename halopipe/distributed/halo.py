@@ -59,14 +59,12 @@ class HaloPlan:
         meta = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order], bits], dim=1)
         received = self._exchange_rows(meta, torch.int64)
         recv_int = {s: rows[:, :5] for s, rows in received.items()}
-        recv_dist = {s: rows[:, 5:].contiguous().view(torch.float64) for s, rows in received.items()}
+        self.recv_dist = {s: rows[:, 5].contiguous().view(torch.float64) for s, rows in received.items()}
         blocks_int = torch.cat([recv_int[s] for s in sorted(recv_int)]) if recv_int else torch.zeros(0, 5, dtype=torch.int64, device=device)
-        blocks_dist = (
-            torch.cat([recv_dist[s] for s in sorted(recv_dist)])[:, 0] if recv_dist else torch.zeros(0, dtype=torch.float64, device=device)
-        )
-        self.recv_dist = {s: recv_dist[s][:, 0] for s in recv_dist}
+        dists = [self.recv_dist[s] for s in sorted(self.recv_dist)]
+        blocks_dist = torch.cat(dists) if dists else torch.zeros(0, dtype=torch.float64, device=device)
         # Each source sends in ascending distance: one source's block is in order already.
-        ghost_order = torch.argsort(blocks_dist, stable=True) if len(recv_dist) > 1 else torch.arange(blocks_dist.numel(), device=device)
+        ghost_order = torch.argsort(blocks_dist, stable=True) if len(dists) > 1 else torch.arange(blocks_dist.numel(), device=device)
         self.ghost_numbers = blocks_int[ghost_order, 0]
         self.ghost_ids = blocks_int[ghost_order, 1]
         self.ghost_shift = blocks_int[ghost_order, 2:5]
