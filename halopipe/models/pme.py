@@ -247,7 +247,7 @@ class PME(SplitCoulomb):
         if cached is not None and not cell.requires_grad and cached[1] is transform and same_tensor(cached[0], cell):
             return cached[2]
         m0, m1, m2 = transform.frequencies(cell.device)
-        k = _wavevectors(cell, transform)
+        k = _wavevectors(self._inverse(cell), transform)  # differentiable in a cell with a graph
         influence_m = influence(m0, m1, m2, transform.sizes, self.order, cell.dtype, cell.device)
         kernel = spme_kernel((k * k).sum(-1), self.alpha, torch.linalg.det(cell).abs(), influence_m)
         if not cell.requires_grad:
@@ -282,7 +282,7 @@ class PME(SplitCoulomb):
         w = None
         if virial:
             energy_k = 0.5 * spectrum.abs().square() * kernel * convolution.multiplicity * share
-            k = _wavevectors(view.cell, convolution.transform)
+            k = _wavevectors(self._inverse(view.cell), convolution.transform)
             k_sq = (k * k).sum(-1)
             strain = torch.where(k_sq > 0, 2.0 * (1.0 / torch.where(k_sq > 0, k_sq, 1.0) + 0.25 / self.alpha**2), 0.0)
             w = energy_k.sum() * torch.eye(3, dtype=k.dtype, device=k.device) - torch.einsum("...a,...b,...->ab", k, k, strain * energy_k)
@@ -359,10 +359,10 @@ class _DistributedConvolution:
         return self.boxmap.from_mesh(self.transform.inverse(spectrum * kernel)), spectrum, 1.0
 
 
-def _wavevectors(cell: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
-    """``k = 2 pi m @ cell^-T`` (..., 3) at the k-points ``transform`` gives this process (differentiable in ``cell``)."""
-    m0, m1, m2 = transform.frequencies(cell.device)
-    reciprocal_cell = 2.0 * math.pi * torch.linalg.inv(cell).T
+def _wavevectors(inverse: torch.Tensor, transform: MeshTransform) -> torch.Tensor:
+    """``k = 2 pi m @ cell^-T`` (..., 3) at the k-points ``transform`` gives this process, from ``inverse = cell^-1``."""
+    m0, m1, m2 = transform.frequencies(inverse.device)
+    reciprocal_cell = 2.0 * math.pi * inverse.T
     return m0[..., None] * reciprocal_cell[0] + m1[..., None] * reciprocal_cell[1] + m2[..., None] * reciprocal_cell[2]
 
 
