@@ -102,22 +102,23 @@ def worker(case: str, steps: int, warmup: int, device: str, reporters: bool = Fa
     rank = dist.get_rank() if dist.is_initialized() else 0
     pipeline, system = build(case, device)
     integrator = VelocityVerlet(time_step(case))
-    folder = tempfile.mkdtemp(prefix="halopipe-md-")  # each rank its own (only rank 0 writes)
-    output = default_reporters(folder) if reporters else []
-    sim = Simulation(pipeline, system if rank == 0 else None, integrator, reporters=output)  # the default skin, 1 Å
-    sim.set_velocities(300.0, seed=1)
-    sim.run(warmup)
-    rebuilds0 = sim.sharded.rebuilds
-    gc.collect()  # no full collection owed from the set-up falls in the timed window
-    if dist.is_initialized():
-        dist.barrier()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    sim.run(steps)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    elapsed = float(sim.sharded.all_reduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), "max")[0])
+    # each rank its own folder (only rank 0 writes), removed with what the reporters wrote
+    with tempfile.TemporaryDirectory(prefix="halopipe-md-") as folder:
+        output = default_reporters(folder) if reporters else []
+        sim = Simulation(pipeline, system if rank == 0 else None, integrator, reporters=output)  # the default skin, 1 Å
+        sim.set_velocities(300.0, seed=1)
+        sim.run(warmup)
+        rebuilds0 = sim.sharded.rebuilds
+        gc.collect()  # no full collection owed from the set-up falls in the timed window
+        if dist.is_initialized():
+            dist.barrier()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        sim.run(steps)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        elapsed = float(sim.sharded.all_reduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), "max")[0])
     return {
         "n_atoms": sim.sharded.n_total,
         "seconds": elapsed,
