@@ -191,6 +191,7 @@ class Domain:
     _row_offsets: tuple | None = None  # (plan_version, cell, offsets of all ghosts) of :meth:`row_offsets`
     _pair_lists: PairLists | None = None  # this domain's candidate lists, per plan (:meth:`candidate_pairs`)
     _holder_keys: tuple | None = None  # (plan_version, keys of all the plan's rows) of :meth:`holder_keys`
+    _row_labels: tuple | None = None  # (plan_version, numbers, ids of all the plan's rows) of :meth:`row_labels`
     system: torch.Tensor | None = None
     """Owned rows' system index in a batch (:class:`~halopipe.batch.BatchDomain`); None for one system."""
     n_systems: int = 1
@@ -225,6 +226,19 @@ class Domain:
             cached = self._row_offsets = (self.plan_version, cell.detach().clone(), offsets)
         owned, ghosts = cached[2]
         return owned, ghosts[:n_ghost]
+
+    def row_labels(self, n_ghost: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Species and global ids of the owned rows and the first ``n_ghost`` ghost rows, made once per plan.
+
+        Both stay the same until the plan changes (atoms migrate only with a
+        new plan), so views of every step and width take a prefix instead of
+        concatenating them again.
+        """
+        if self._row_labels is None or self._row_labels[0] != self.plan_version:
+            numbers, ids = torch.cat([self.numbers, self.ghost_numbers]), torch.cat([self.ids, self.ghost_ids])
+            self._row_labels = (self.plan_version, numbers, ids)
+        rows = self.n_owned + n_ghost
+        return self._row_labels[1][:rows], self._row_labels[2][:rows]
 
     def candidate_pairs(self, rows: torch.Tensor, n_ghost: int, cutoff: float, kind: str) -> GroupedPairs | torch.Tensor:
         """Owned-centred candidate pairs within ``cutoff + skin`` among ``rows``, once per plan.

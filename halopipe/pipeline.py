@@ -548,9 +548,10 @@ def build_view(
         keep = dist.detach() <= model.cutoff
         pairs, vec, dist = candidates[:, keep], vec[keep], dist[keep]
     inputs = {name: refresh(fields[step.source_of(name)]) for name in sorted(model.inputs)}
+    numbers, ids = domain.row_labels(n_ghost)
     return LocalView(
         positions=rows,
-        numbers=torch.cat([domain.numbers, domain.ghost_numbers[:n_ghost]]),
+        numbers=numbers,
         n_owned=n,
         cell=cell,
         pbc=domain.pbc,
@@ -561,7 +562,7 @@ def build_view(
         refresh=refresh,
         global_sum=domain.global_sum,
         n_total=domain.n_total,
-        ids=torch.cat([domain.ids, domain.ghost_ids[:n_ghost]]),
+        ids=ids,
         cutoff=float(model.cutoff),
         half_list=half,
         mesh_transform=domain.mesh_transform,
@@ -619,7 +620,7 @@ def evaluate(
     domain.prepare(pipeline.halo, problem)
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
     batched = domain.system is not None  # a batch of systems (halopipe.batch): energies and virial per system
-    forces = torch.zeros(n, 3, dtype=dtype, device=device)
+    forces = None  # the first group's forces, then sums (no zeroed array, no copy for one group)
     energies = torch.zeros(n, dtype=dtype, device=device) if energy else None
     virial = torch.zeros(domain.cell.shape, dtype=dtype, device=device)
     local_energy: list[torch.Tensor] = []
@@ -645,7 +646,7 @@ def evaluate(
                 gradients[name] = gradients[name] + grad if name in gradients else grad
         else:
             f, w, e, p = _run_direct_group(group, domain, static, stress, halo_of, ghost_positions, energy)
-        forces += f
+        forces = f if forces is None else forces + f
         virial += w
         for per_atom in e if energy else ():
             energies += per_atom
@@ -769,13 +770,13 @@ def _check_direct_output(model, out, view: LocalView) -> None:
 
 def _run_direct_group(group: Group, domain: Domain, static: dict, stress: bool, halo_of, ghost_positions, energy: bool):
     positions, cell = domain.positions.detach(), domain.cell.detach()
-    forces = torch.zeros_like(positions)
+    forces = None  # the first step's own forces, then sums: no zeroed array and no copy for a group of one
     virial = torch.zeros(3, 3, dtype=positions.dtype, device=positions.device)
     per_atom_energies = []
     with torch.no_grad():
         for step in group.steps:
             out = _run_step(domain, step, halo_of(step.model), positions, cell, static, ghost_positions, True, energy, stress)
-            forces += out.forces
+            forces = out.forces if forces is None else forces + out.forces
             if stress:
                 virial += out.virial
             per_atom_energies.append(out.energies)  # None where not needed; evaluate reads them only with energy
