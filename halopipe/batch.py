@@ -37,6 +37,7 @@ import torch
 
 from .domain import DEFAULT_SKIN, Domain, LocalDomain, next_plan_version
 from .neighbors import GroupedPairs
+from .sorting import stable_argsort
 from .system import System
 
 __all__ = ["Batch", "BatchDomain", "BatchPlacement", "PER_SYSTEM_KEYS"]
@@ -200,7 +201,7 @@ class BatchDomain(LocalDomain):
         atom = torch.cat([p.ghost_atom + starts[b] for b, p in enumerate(self.parts)])
         distance = torch.cat([p.ghost_distance for p in self.parts])
         counts = torch.tensor([p.ghost_atom.numel() for p in self.parts], device=self.ids.device)
-        order = torch.argsort(distance, stable=True)
+        order = stable_argsort(distance)
         self.ghost_atom = atom[order]
         self.ghost_distance = distance[order]
         self.ghost_shift = torch.cat([p.ghost_shift for p in self.parts])[order]

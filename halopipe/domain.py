@@ -30,6 +30,7 @@ import torch
 from .geometry import Partition, images_near_bricks
 from .meshfft import LocalMeshTransform, MeshTransform
 from .neighbors import GroupedPairs, PairLists, max_displacement
+from .sorting import stable_argsort
 
 __all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
 
@@ -456,7 +457,7 @@ class LocalDomain(Domain):
         wrapped, image = partition.wrap(frac)
         own = torch.zeros(self.n_owned, dtype=torch.int64, device=self.positions.device)
         imgs = images_near_bricks(partition, wrapped, image, width + skin_margin(self.skin), own_rank=own)
-        order = torch.argsort(imgs.distance, stable=True)
+        order = stable_argsort(imgs.distance)
         self.owned_shift = -image
         self.ghost_atom = imgs.atom[order]
         self.ghost_shift = imgs.shift[order]

@@ -29,6 +29,7 @@ from vesin import NeighborList as _VesinNeighborList
 from .kernels.backend import warp_module
 from .kernels.pairs import group_by_row, launch, rows_of_groups, warp_kernel
 from .scratch import ScratchPool
+from .sorting import stable_argsort
 
 _LISTS = "_warp_lists"  # the Warp source of the pair search and the list filter
 
@@ -258,7 +259,7 @@ def _warp_owned_half_pairs(
     n_cells = math.prod(dims)
     cell_id = (cell[:, 2].long() * dims[1] + cell[:, 1]) * dims[0] + cell[:, 0]
     cell_id[n_owned:] += n_cells  # ghosts in a section of their own, after the owned rows
-    order = torch.argsort(cell_id, stable=True)
+    order = stable_argsort(cell_id)
     slot = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(order.numel(), dtype=torch.int32, device=device))
     cell_start = torch.zeros(2 * n_cells + 1, dtype=torch.int32, device=device)
     cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells), 0)

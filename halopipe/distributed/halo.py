@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..geometry import ImageSet
+from ..sorting import stable_argsort
 from .comm import Comm
 
 __all__ = ["HaloPlan", "HaloGather", "HaloFold"]
@@ -42,9 +43,9 @@ class HaloPlan:
     def __init__(self, comm: Comm, images: ImageSet, numbers: torch.Tensor, ids: torch.Tensor, peers: list[int] | None = None) -> None:
         self.comm = comm
         device = numbers.device
-        order = torch.argsort(images.distance, stable=True)
+        order = stable_argsort(images.distance)
         if images.rank.numel() and not _all_equal(images.rank):  # by destination, then distance
-            order = order[torch.argsort(images.rank[order], stable=True)]
+            order = order[stable_argsort(images.rank[order])]
         self.send_atom = images.atom[order]
         send_rank = images.rank[order]
         send_dist = images.distance[order]
@@ -64,7 +65,7 @@ class HaloPlan:
         dists = [self.recv_dist[s] for s in sorted(self.recv_dist)]
         blocks_dist = torch.cat(dists) if dists else torch.zeros(0, dtype=torch.float64, device=device)
         # Each source sends in ascending distance: one source's block is in order already.
-        ghost_order = torch.argsort(blocks_dist, stable=True) if len(dists) > 1 else torch.arange(blocks_dist.numel(), device=device)
+        ghost_order = stable_argsort(blocks_dist) if len(dists) > 1 else torch.arange(blocks_dist.numel(), device=device)
         self.ghost_numbers = blocks_int[ghost_order, 0]
         self.ghost_ids = blocks_int[ghost_order, 1]
         self.ghost_shift = blocks_int[ghost_order, 2:5]

@@ -38,6 +38,7 @@ import torch
 from ..domain import Domain, DomainConfig, next_plan_version, skin_margin, strain_displacement
 from ..geometry import Geometry, Partition, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
+from ..sorting import stable_argsort
 from ..system import System
 from .comm import Comm
 from .fft import PencilMeshTransform, distributed_mesh_transform
@@ -306,7 +307,7 @@ class ShardedSystem(Domain):
         arrays stay as they are, unless ``copy`` (the scatter's first
         migration, which copies the input into sorted arrays of its own).
         """
-        order = torch.argsort(dest, stable=True)
+        order = stable_argsort(dest)
         ranks, counts = torch.unique_consecutive(dest[order], return_counts=True)
         send_counts = dict(zip(ranks.tolist(), counts.tolist()))
         recv_counts = self.comm.exchange_counts(send_counts, peers)
@@ -332,7 +333,7 @@ class ShardedSystem(Domain):
         return torch.cat(floats, dim=1), torch.cat(ints, dim=1)
 
     def _unpack(self, floats: torch.Tensor, ints: torch.Tensor) -> None:
-        order = torch.argsort(ints[:, 1])
+        order = stable_argsort(ints[:, 1])
         floats, ints = floats[order], ints[order]
         n = floats.shape[0]
         self.positions, self.masses = floats[:, :3].contiguous(), floats[:, 3].contiguous()
