@@ -233,6 +233,24 @@ class ShardedSystem(Domain):
         old = self.partition
         self.partition = self._build_partition()
         wrapped, image = self.partition.wrap(self.partition.geometry.fractional(self.positions))
+        if self.world_size == 1 and old is not None:
+            # One brick holding every atom (its bounds on an open axis follow them): each atom is in it as wrapped, and
+            # nothing migrates. Spares a rebuild the brick search, the nearest images and the migration's sort (~2 ms at 32k).
+            kept, home, peers = True, torch.zeros_like(image), [self.rank]
+        else:
+            kept, home, peers = self._migrate_to_bricks(old, wrapped, hysteresis, width, moved)
+        self._ref = self.positions.detach().clone()
+        self._ref_cell = self.cell.detach().clone()
+        if width is not None:
+            # Where the owned rows stayed as they were, their wrapping and nearest images to this brick still hold.
+            self._build_plan(width, peers, (wrapped, image, home) if kept and home is not None else None)
+
+    def _migrate_to_bricks(self, old: Partition | None, wrapped: torch.Tensor, hysteresis: bool, width: float | None, moved: float):
+        """Send each atom to the rank of its brick, or keep it while within skin/2 of this one (``hysteresis``).
+
+        Returns whether the owned rows stayed as they were, their nearest
+        images to this brick (None without hysteresis) and the plan's peers.
+        """
         new_owner = self.partition.rank_of(self.partition.brick_index(wrapped))
         home = None
         if hysteresis and self.n_owned:
@@ -247,11 +265,7 @@ class ShardedSystem(Domain):
         shift = math.inf if old is None else bounds_shift(old, self.partition)
         near = peers is not None and 0.5 * self.skin + moved + shift <= reach
         kept = not self._migrate(new_owner, peers if near else None, copy=old is None)
-        self._ref = self.positions.detach().clone()
-        self._ref_cell = self.cell.detach().clone()
-        if width is not None:
-            # Where the owned rows stayed as they were, their wrapping and nearest images to this brick still hold.
-            self._build_plan(width, peers, (wrapped, image, home) if kept and home is not None else None)
+        return kept, home, peers
 
     def _build_partition(self) -> Partition:
         geo_pbc = self.pbc.cpu()
