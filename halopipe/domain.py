@@ -274,10 +274,11 @@ class Domain:
         ``4 id + 2`` for an owned row; for a ghost, ``4 id + 2`` plus the sign
         of the first non-zero component of its lattice shift from its owner's
         row when that owner is owned here (a periodic image of an owned atom,
-        :meth:`own_images`), else nothing: of the two pairs ``(a, a + t)`` and
-        ``(a, a - t)`` found from ``a``, the one with the positive shift is
-        kept. Integers only, so every rank decides alike. Made once per plan
-        for all its ghosts (a narrower view's keys are a prefix).
+        :meth:`own_images`), else nothing: of the two pairs ``(a, b + t)`` and
+        ``(b, a - t)`` of owned atoms through their images, the one with the
+        positive shift is kept. Integers only, so every rank decides alike.
+        Made once per plan for all its ghosts (a narrower view's keys are a
+        prefix).
         """
         if self._holder_keys is None or self._holder_keys[0] != self.plan_version:
             self._holder_keys = (self.plan_version, self._make_holder_keys())

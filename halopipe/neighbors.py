@@ -209,15 +209,18 @@ def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
     A pair with a ghost is in the half lists of every view that holds one
     of its ends (two ranks, or both ends' rows on one rank through a
     periodic image). ``keys`` (R,) int64, ``4 id + 2 + s`` per row
-    (:meth:`~halopipe.domain.Domain.holder_keys`: global id ``id``, ``s`` an
-    own image's lattice sign), decide which holder keeps it: owned-owned
-    pairs are kept; a pair ``(a, b)`` with a ghost ``b`` of another atom is
-    kept by the smaller id's holder when the two ids sum to an even number
-    and by the larger's when odd (ids usually run through space, so a plain
-    "smaller id" would hand every pair across a face to one of its ranks); a
-    pair of an atom with its own image is kept when ``keys[a] < keys[b]``.
-    Every rank decides alike from ids and integer shifts. The kept pairs stay
-    grouped by owned row, in the list's order.
+    (:meth:`~halopipe.domain.Domain.holder_keys`: global id ``id``; ``s`` the
+    sign of an own image's lattice shift, 0 for other rows), decide which
+    holder keeps it: owned-owned pairs are kept; a pair ``(a, b)`` with a
+    ghost ``b`` that is a periodic image of an atom owned here is kept when
+    ``b``'s shift is positive (of the two pairs ``(a, c + t)`` and
+    ``(c, a - t)`` one, so the search can leave the negative images out); a
+    pair with a ghost owned elsewhere is kept by the smaller id's holder when
+    the two ids sum to an even number and by the larger's when odd (ids
+    usually run through space, so a plain "smaller id" would hand every pair
+    across a face to one of its ranks). Every rank decides alike from ids and
+    integer shifts. The kept pairs stay grouped by owned row, in the list's
+    order.
     """
     keys = keys.contiguous()
     n_owned = half.n_owned
@@ -225,8 +228,8 @@ def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
         return _grouped_two_passes("one_holder", n_owned, keys.device, [half.start, half.partners, keys, n_owned])
     first, second = half.pairs
     key_a, key_b = keys[first], keys[second]
-    id_a, id_b = key_a >> 2, key_b >> 2
-    keeps = torch.where(id_a == id_b, key_a < key_b, (id_a < id_b) != (((id_a ^ id_b) & 1) == 1))
+    id_a, id_b, sign_b = key_a >> 2, key_b >> 2, key_b & 3
+    keeps = torch.where(sign_b != 2, sign_b == 3, (id_a < id_b) != (((id_a ^ id_b) & 1) == 1))
     return GroupedPairs.from_pairs(half.pairs[:, (second < n_owned) | keeps], n_owned)
 
 
@@ -242,7 +245,8 @@ def _warp_owned_half_pairs(
     to the cutoff sphere) for ghosts, and their upper half for owned rows
     (each owned pair once, from the end that sorts first). Pairs come out
     grouped by ``i`` in a deterministic order. With ``keys``, only the pairs
-    this holder keeps (the ``owned_once`` kernels).
+    this holder keeps (the ``owned_once`` kernels; the ghosts it can never
+    keep are left out of the cells).
     """
     device = rows.device
     pos = rows.detach().to(torch.float64).contiguous()
@@ -259,10 +263,14 @@ def _warp_owned_half_pairs(
     n_cells = math.prod(dims)
     cell_id = (cell[:, 2].long() * dims[1] + cell[:, 1]) * dims[0] + cell[:, 0]
     cell_id[n_owned:] += n_cells  # ghosts in a section of their own, after the owned rows
+    if keys is not None:
+        # Own images of negative shift pair with no row this holder keeps: sorted past every cell, never scanned
+        # (on one process half of all ghosts, and half the ghost section's scan).
+        cell_id[n_owned:].masked_fill_((keys[n_owned:] & 3) == 1, 2 * n_cells)
     order = stable_argsort(cell_id)
     slot = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(order.numel(), dtype=torch.int32, device=device))
     cell_start = torch.zeros(2 * n_cells + 1, dtype=torch.int32, device=device)
-    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells), 0)
+    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells)[: 2 * n_cells], 0)
     wp = warp_module()
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
     order = order.to(torch.int32)

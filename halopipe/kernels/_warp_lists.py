@@ -36,15 +36,19 @@ def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
 def _holder_keeps(key_a: wp.int64, key_b: wp.int64):
     """Whether the holder of owned end ``a`` keeps its pair with ghost ``b`` (keys ``4 id + 2 + s``).
 
-    Ends of different ids: the smaller id's holder when the ids' sum is
-    even, the larger's when it is odd, so that the pairs across a face split
-    evenly between its two ranks however ids run through space; an atom and
-    its own image: the larger key (``s``: the image's lattice sign).
+    A ghost that is an image of an atom owned here (``s`` = 1 or 3, the sign
+    of its lattice shift from that atom's row, minus or plus): kept when
+    plus, so of the pairs ``(a, b + t)`` and ``(b, a - t)`` one is. A ghost
+    owned elsewhere (``s`` = 2): the smaller id's holder keeps the pair when
+    the ids' sum is even, the larger's when it is odd, so that the pairs
+    across a face split evenly between its two ranks however ids run
+    through space.
     """
+    s_b = key_b & wp.int64(3)
     id_a = key_a >> wp.int64(2)
     id_b = key_b >> wp.int64(2)
     odd = ((id_a ^ id_b) & wp.int64(1)) == wp.int64(1)
-    return wp.where(id_a == id_b, key_a < key_b, (id_a < id_b) != odd)
+    return wp.where(s_b != wp.int64(2), s_b == wp.int64(3), (id_a < id_b) != odd)
 
 
 def _owned_half_search(mode: int, one_holder: bool = False):
