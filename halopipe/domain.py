@@ -111,6 +111,16 @@ class DomainConfig:
         return None
 
 
+def holder_bit(ids: torch.Tensor) -> torch.Tensor:
+    """A bit of each global id for the one-holder rule: the top bit of Knuth's 32-bit multiplicative hash of its low 31 bits.
+
+    Atoms near each other get unrelated bits however ids run through space,
+    so pairs across a face split about evenly between its two ranks (an id's
+    parity alone split a lattice numbered along the face's normal 449 / 542).
+    """
+    return ((ids & 0x7FFFFFFF) * 2654435761 & 0xFFFFFFFF) >> 31  # below 2**63: no int64 overflow
+
+
 def next_plan_version() -> int:
     """A plan identifier unique in this process.
 
@@ -271,31 +281,48 @@ class Domain:
     def holder_keys(self, n_ghost: int) -> torch.Tensor:
         """(n_owned + n_ghost,) int64 keys that decide which holder keeps a pair with a ghost (:func:`.neighbors.one_holder_pairs`).
 
-        ``4 id + 2`` for an owned row; for a ghost, ``4 id + 2`` plus the sign
-        of the first non-zero component of its lattice shift from its owner's
-        row when that owner is owned here (a periodic image of an owned atom,
-        :meth:`own_images`), else nothing: of the two pairs ``(a, b + t)`` and
-        ``(b, a - t)`` of owned atoms through their images, the one with the
-        positive shift is kept. Integers only, so every rank decides alike.
-        Made once per plan for all its ghosts (a narrower view's keys are a
-        prefix).
+        ``4 id + 2 h`` for an owned row, ``h`` its id's :func:`holder_bit`.
+        For a ghost that is a periodic image of an atom owned here
+        (:meth:`own_images`), ``4 id + 2`` plus the sign of the first non-zero
+        component of its lattice shift from that atom's row: of the two pairs
+        ``(a, b + t)`` and ``(b, a - t)`` of owned atoms through their images,
+        the one with the positive shift is kept. For a ghost owned by another
+        rank (:meth:`foreign_ghosts`), ``4 id + 2 c`` with its class ``c``: its
+        id's bit, flipped when this rank's number is below its owner's; an
+        owned row whose bit differs from the class keeps the pair, and the
+        owner, seeing the classes flipped, keeps exactly the others. Integers
+        only, so every rank decides alike. Made once per plan for all its
+        ghosts (a narrower view's keys are a prefix).
         """
         if self._holder_keys is None or self._holder_keys[0] != self.plan_version:
             self._holder_keys = (self.plan_version, self._make_holder_keys())
         return self._holder_keys[1][: self.n_owned + n_ghost]
 
     def _make_holder_keys(self) -> torch.Tensor:
-        keys = 4 * torch.cat([self.ids, self.ghost_ids]) + 2
+        ids = torch.cat([self.ids, self.ghost_ids])
+        keys = 4 * ids + 2 * holder_bit(ids)
         ghost, owner = self.own_images()
         if ghost.numel():
             shift = self.ghost_shift[ghost] - self.owned_shift[owner]
             lead = torch.where(shift[:, 0] != 0, shift[:, 0], torch.where(shift[:, 1] != 0, shift[:, 1], shift[:, 2]))
-            keys[self.n_owned + ghost] += lead.sign()
+            keys[self.n_owned + ghost] = 4 * ids[self.n_owned + ghost] + 2 + lead.sign()
+        foreign, below = self.foreign_ghosts()
+        if foreign.numel():
+            keys[self.n_owned + foreign] ^= 2 * below.long()  # the class: the bit, flipped below the owner
         return keys
 
     def own_images(self) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - interface
         """``(ghost, owner)``: the ghosts (indices among the ghost rows) that are images of atoms owned here, and their owned rows."""
         raise NotImplementedError
+
+    def foreign_ghosts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ghost, below)``: the ghosts owned by other ranks (indices among the ghost rows), and whether this rank is below their owner.
+
+        "Below": this rank's number is the lower. None on one process, where
+        every ghost is a periodic image of an atom owned here.
+        """
+        empty = torch.zeros(0, dtype=torch.int64, device=self.ghost_ids.device)
+        return empty, empty.bool()
 
     def search_widest_lists(self, needs: set[tuple[int, float, str]], ghost_positions: torch.Tensor) -> None:
         """With lists of several ``(n_ghost, cutoff)`` of one kind to come, search once at the widest of both (per plan and kind).

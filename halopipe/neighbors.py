@@ -215,28 +215,27 @@ def one_holder_pairs(half: GroupedPairs, keys: torch.Tensor) -> GroupedPairs:
 
     A pair with a ghost is in the half lists of every view that holds one
     of its ends (two ranks, or both ends' rows on one rank through a
-    periodic image). ``keys`` (R,) int64, ``4 id + 2 + s`` per row
-    (:meth:`~halopipe.domain.Domain.holder_keys`: global id ``id``; ``s`` the
-    sign of an own image's lattice shift, 0 for other rows), decide which
-    holder keeps it: owned-owned pairs are kept; a pair ``(a, b)`` with a
+    periodic image). ``keys`` (R,) int64, ``4 id`` plus two low bits per row
+    (:meth:`~halopipe.domain.Domain.holder_keys`), decide which holder keeps
+    it: owned-owned pairs are kept; a pair ``(a, b)`` with a
     ghost ``b`` that is a periodic image of an atom owned here is kept when
     ``b``'s shift is positive (of the two pairs ``(a, c + t)`` and
     ``(c, a - t)`` one, so the search can leave the negative images out); a
-    pair with a ghost owned elsewhere is kept by the smaller id's holder when
-    the two ids sum to an even number and by the larger's when odd (ids
-    usually run through space, so a plain "smaller id" would hand every pair
-    across a face to one of its ranks). Every rank decides alike from ids and
-    integer shifts. The kept pairs stay grouped by owned row, in the list's
-    order.
+    pair with a ghost owned elsewhere is kept when ``a``'s hashed id bit
+    differs from ``b``'s class (its bit, flipped when this rank's number is
+    below its owner's), which the owner sees flipped, so it keeps exactly
+    the others and a face's pairs split about evenly between its two ranks
+    (so the search scans one class of ghosts per owned row). Every rank
+    decides alike from ids, ranks and integer shifts. The kept pairs stay
+    grouped by owned row, in the list's order.
     """
     keys = keys.contiguous()
     n_owned = half.n_owned
     if half.n_pairs > 0 and warp_kernel("one_holder_fill", _LISTS) is not None:
         return _grouped_two_passes("one_holder", n_owned, keys.device, [half.start, half.partners, keys, n_owned])
     first, second = half.pairs
-    key_a, key_b = keys[first], keys[second]
-    id_a, id_b, sign_b = key_a >> 2, key_b >> 2, key_b & 3
-    keeps = torch.where(sign_b != 2, sign_b == 3, (id_a < id_b) != (((id_a ^ id_b) & 1) == 1))
+    low = keys[second] & 3
+    keeps = torch.where((low & 1) == 1, low == 3, (low >> 1) != ((keys[first] >> 1) & 1))
     return GroupedPairs.from_pairs(half.pairs[:, (second < n_owned) | keeps], n_owned)
 
 
@@ -269,27 +268,48 @@ def _warp_owned_half_pairs(
     dims = [int(d) for d in (cell.max(dim=0).values + 1).tolist()]
     n_cells = math.prod(dims)
     cell_id = (cell[:, 2].long() * dims[1] + cell[:, 1]) * dims[0] + cell[:, 0]
-    cell_id[n_owned:] += n_cells  # ghosts in a section of their own, after the owned rows
-    if keys is not None:
-        # Own images of negative shift pair with no row this holder keeps: sorted past every cell, never scanned
-        # (on one process half of all ghosts, and half the ghost section's scan).
-        cell_id[n_owned:].masked_fill_((keys[n_owned:] & 3) == 1, 2 * n_cells)
-    order = stable_argsort(cell_id)
-    slot = torch.empty_like(order, dtype=torch.int32).index_copy_(0, order, torch.arange(order.numel(), dtype=torch.int32, device=device))
-    cell_start = torch.zeros(2 * n_cells + 1, dtype=torch.int32, device=device)
-    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=2 * n_cells)[: 2 * n_cells], 0)
+    if keys is None:
+        cell_id[n_owned:] += n_cells  # ghosts in a section of their own, after the owned rows
+        sections, order = 2, stable_argsort(cell_id)
+    else:
+        cell_id, row_of = _ghost_class_cells(cell_id, keys, n_owned, n_cells)
+        sections, order = 3, row_of.index_select(0, stable_argsort(cell_id))
+    # owned rows sort first (their cells come first): slot[i] is owned row i's sorted position
+    slot = torch.empty(n_owned, dtype=torch.int32, device=device).index_copy_(
+        0, order[:n_owned], torch.arange(n_owned, dtype=torch.int32, device=device)
+    )
+    cell_start = torch.zeros(sections * n_cells + 1, dtype=torch.int32, device=device)
+    cell_start[1:] = torch.cumsum(torch.bincount(cell_id, minlength=sections * n_cells)[: sections * n_cells], 0)
     wp = warp_module()
     trim_reach = float(cutoff) * (1.0 + 1e-9) + 1e-9  # trims lines with a margin far above rounding; the pair test is exact
     order = order.to(torch.int32)
     sorted_rows = pos.index_select(0, order)  # half the time of pos[order] on the CPU
     grid = [pos, sorted_rows, order, slot, cell.contiguous(), cell_start, wp.vec3i(*dims), wp.vec3d(*lo.tolist()), edge, edge_x]
     capacity = capacity or _slot_capacity(cell, dims, split, float(cutoff) / edge)
-    sorted_keys = torch.empty(0, dtype=torch.int64, device=device) if keys is None else keys.index_select(0, order)
-    inputs = [*grid, reach, reach_x, trim_reach, float(cutoff) ** 2, sorted_keys]
     kernels = "owned_half" if keys is None else "owned_once"
+    keys = torch.empty(0, dtype=torch.int64, device=device) if keys is None else keys.contiguous()
+    inputs = [*grid, reach, reach_x, trim_reach, float(cutoff) ** 2, keys]
     if n_owned * capacity * 4 > PAIR_SLOT_BYTES or n_owned * capacity >= 2**31:
         return _grouped_two_passes(kernels, n_owned, device, [*inputs, 0])
     return _owned_half_one_pass(kernels, n_owned, device, inputs, order, capacity, pool or ScratchPool())
+
+
+def _ghost_class_cells(cell_id: torch.Tensor, keys: torch.Tensor, n_owned: int, n_cells: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-holder search's cell of each row and its row: owned rows, then the ghosts of class 0, then of class 1.
+
+    A ghost owned elsewhere goes to its class's section (``keys``' low bits
+    0 or 2, :func:`one_holder_pairs`); an image of an owned atom with a
+    positive shift (3), kept by every row, to both, so it appears twice;
+    one with a negative shift (1), kept by none, past every cell: never
+    scanned. ``cell_id``: each row's cell within a section.
+    """
+    low = keys[n_owned:] & 3
+    ghost = cell_id[n_owned:] + (1 + torch.where((low & 1) == 0, low >> 1, 0)) * n_cells
+    ghost.masked_fill_(low == 1, 3 * n_cells)
+    positive = torch.nonzero(low == 3)[:, 0]
+    rows = torch.arange(cell_id.numel(), device=cell_id.device)
+    cells = torch.cat([cell_id[:n_owned], ghost, ghost.index_select(0, positive) + n_cells])
+    return cells, torch.cat([rows, positive + n_owned])
 
 
 SPHERE_ROWS_FOR_HALF_CUBES = 150

@@ -312,6 +312,14 @@ class ShardedSystem(Domain):
         empty = torch.zeros(0, dtype=torch.int64, device=self.positions.device)
         return self.plan.recv_slot.get(self.rank, empty), self.plan.send_index.get(self.rank, empty)
 
+    def foreign_ghosts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sources = [s for s in sorted(self.plan.recv_slot) if s != self.rank]
+        if not sources:
+            return super().foreign_ghosts()
+        ghost = torch.cat([self.plan.recv_slot[s] for s in sources])
+        below = torch.cat([torch.full((self.plan.recv_slot[s].numel(),), self.rank < s, device=ghost.device) for s in sources])
+        return ghost, below
+
     # ------------------------------------------------------------ migration
     def _migrate(self, dest: torch.Tensor, peers: list[int] | None, copy: bool = False) -> bool:
         """Send each owned atom to rank ``dest``; keep atoms sorted by global id. Returns whether the arrays changed.

@@ -34,21 +34,19 @@ def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
 
 @wp.func
 def _holder_keeps(key_a: wp.int64, key_b: wp.int64):
-    """Whether the holder of owned end ``a`` keeps its pair with ghost ``b`` (keys ``4 id + 2 + s``).
+    """Whether the holder of owned end ``a`` keeps its pair with ghost ``b`` (keys of :meth:`~halopipe.domain.Domain.holder_keys`).
 
-    A ghost that is an image of an atom owned here (``s`` = 1 or 3, the sign
-    of its lattice shift from that atom's row, minus or plus): kept when
-    plus, so of the pairs ``(a, b + t)`` and ``(b, a - t)`` one is. A ghost
-    owned elsewhere (``s`` = 2): the smaller id's holder keeps the pair when
-    the ids' sum is even, the larger's when it is odd, so that the pairs
-    across a face split evenly between its two ranks however ids run
-    through space.
+    ``b``'s low two bits: 1 or 3 for an image of an atom owned here (the
+    sign of its lattice shift from that atom's row, minus or plus), kept
+    when plus, so of the pairs ``(a, b + t)`` and ``(b, a - t)`` one is; 0 or
+    2 for a ghost owned elsewhere, of class 0 or 1, kept when ``a``'s bit
+    (bit 1 of its key) differs (the owner sees ``a`` in the flipped class
+    and keeps exactly the others). So the pairs across a face split between
+    its two ranks by hashed ids, whichever way ids run through space.
     """
-    s_b = key_b & wp.int64(3)
-    id_a = key_a >> wp.int64(2)
-    id_b = key_b >> wp.int64(2)
-    odd = ((id_a ^ id_b) & wp.int64(1)) == wp.int64(1)
-    return wp.where(s_b != wp.int64(2), s_b == wp.int64(3), (id_a < id_b) != odd)
+    low = key_b & wp.int64(3)
+    bit_a = (key_a >> wp.int64(1)) & wp.int64(1)
+    return wp.where((low & wp.int64(1)) == wp.int64(1), low == wp.int64(3), (low >> wp.int64(1)) != bit_a)
 
 
 def _owned_half_search(mode: int, one_holder: bool = False):
@@ -73,10 +71,12 @@ def _owned_half_search(mode: int, one_holder: bool = False):
     may exceed ``capacity`` (those are not written). Only partners are
     written, as int32: the row of a grouped list is implied by its offsets.
     Compiled variants, because a run-time "write?" test in the inner loop
-    measured 40 % slower. The ``one_holder`` variants keep a pair with a
-    ghost only when this holder keeps it (:func:`_holder_keeps`, by the keys
-    of the sorted rows ``sorted_keys``): the one-holder list in the search
-    itself, instead of a filter pass over the whole half list.
+    measured 40 % slower. The ``one_holder`` variants search the one-holder
+    list itself instead of a filter pass over the whole half list: the
+    ghosts are binned by class in two sections (``cell_start`` holds three:
+    owned rows, class 0, class 1; the images of owned atoms that a row keeps
+    whatever its bit are in both), and row ``i`` scans the class it keeps
+    by its key ``keys[i]`` (:func:`_holder_keeps`), so no pair is tested.
     """
 
     @wp.kernel
@@ -95,7 +95,7 @@ def _owned_half_search(mode: int, one_holder: bool = False):
         reach_x: wp.int32,
         reach_pad: wp.float64,
         rc2: wp.float64,
-        sorted_keys: wp.array(dtype=wp.int64),
+        keys: wp.array(dtype=wp.int64),
         capacity: wp.int32,
         offsets: wp.array(dtype=wp.int32),
         partners: wp.array(dtype=wp.int32),
@@ -103,14 +103,15 @@ def _owned_half_search(mode: int, one_holder: bool = False):
     ):
         i = wp.tid()
         c = cell_of[i]
-        key_i = wp.int64(0)
-        if wp.static(one_holder):
-            key_i = sorted_keys[slot[i]]
         centre = rows[i]
         rel = centre - lo
         after_i = slot[i] + 1
         own_line = c[2] * dims[1] + c[1]
         n_cells = dims[0] * dims[1] * dims[2]
+        ghost_base = n_cells  # the half list's one ghost section
+        if wp.static(one_holder):
+            # A section per ghost class: this row keeps the class unlike its own bit, every row of it (_holder_keeps).
+            ghost_base = (wp.int32(2) - wp.int32((keys[i] >> wp.int64(1)) & wp.int64(1))) * n_cells
         n = wp.int32(0)
         end = wp.int32(0)
         if wp.static(mode == FILL):
@@ -133,7 +134,7 @@ def _owned_half_search(mode: int, one_holder: bool = False):
                     b = wp.min(wp.int32(wp.floor((rel[0] + h) / edge_x)), x_hi)
                     line = z * dims[1] + y
                     for section in range(2):  # owned rows, then ghost rows
-                        base = section * n_cells + line * dims[0]
+                        base = wp.where(section == 0, 0, ghost_base) + line * dims[0]
                         s_begin = cell_start[base + a]
                         s_end = cell_start[base + b + 1]
                         if section == 0:
@@ -144,9 +145,6 @@ def _owned_half_search(mode: int, one_holder: bool = False):
                         for s in range(s_begin, s_end):
                             d = sorted_rows[s] - centre
                             keep = wp.dot(d, d) <= rc2
-                            if wp.static(one_holder):
-                                if section == 1:
-                                    keep = wp.where(_holder_keeps(key_i, sorted_keys[s]), keep, False)
                             if wp.static(mode == FILL):
                                 if n < end:
                                     partners[n] = order[s]
