@@ -165,8 +165,8 @@ def grouped_owned_half_pairs(
     ``pool``: where the Warp search takes its per-row slots from and gives
     them back (tens of MB, reused from rebuild to rebuild instead of faulted
     in afresh). ``keys``: the rows' holder keys, to search the one-holder
-    list (:func:`one_holder_pairs`) directly: with Warp the rule is tested
-    in the search, so the whole half list is never made. ``capacity``: the
+    list (:func:`one_holder_pairs`) directly: with Warp each owned row scans
+    only the ghosts it keeps, so the whole half list is never made. ``capacity``: the
     Warp search's slots per owned row (default :func:`_slot_capacity`, from
     the rows' density); the list is the same whatever it is.
     """
