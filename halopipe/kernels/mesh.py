@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .backend import warp_module
+from .pairs import launch
 
 __all__ = [
     "MAX_ORDER",
@@ -173,20 +174,9 @@ def compiled_kernels(order: int):
 def _launch(kernel, u, first, box: SplineBox, inputs: list, outputs: list) -> None:
     """Launch ``kernel`` over the atoms on torch's device and stream (tensors passed zero-copy)."""
     wp = warp_module()
-    device = wp.device_from_torch(u.device)
-    stream = wp.stream_from_torch(u.device) if device.is_cuda else None
-
-    def as_warp(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.ndim == 2:
-            return wp.from_torch(x, dtype=wp.vec3i if x.dtype == torch.int32 else wp.vec3d)
-        return wp.from_torch(x)
-
     geometry = [wp.vec3i(*box.sizes), wp.vec3i(*box.lo), wp.vec3i(*box.extent)]
-    args = [as_warp(u), as_warp(first)] + [as_warp(x) for x in inputs]
     # The mesh geometry follows the atom inputs in both kernels' signatures.
-    wp.launch(kernel, dim=u.shape[0], inputs=args + geometry, outputs=[as_warp(x) for x in outputs], device=device, stream=stream)
+    launch(kernel, u.shape[0], u.device, [u, first, *inputs, *geometry], outputs)
 
 
 def _warp_kernels(u: torch.Tensor, box: SplineBox):

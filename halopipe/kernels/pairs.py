@@ -172,19 +172,42 @@ def warp_kernel(name: str, source: str = "_warp_pairs"):
 def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: list) -> None:
     """Launch a Warp kernel over ``n_pairs`` threads on torch's device and stream.
 
-    Tensors are passed zero-copy: ``(R, 3)`` float64 as ``vec3d`` arrays and
-    ``(R, 3)`` int32 as ``vec3i``, others as they are.
+    Tensors are passed zero-copy as array descriptors of the kernel's
+    argument types (``(R, 3)`` rows as ``vec3d`` or ``vec3i`` arrays), after
+    a check of their dtype, since a descriptor carries none; Warp arrays and
+    scalars pass as they are. A descriptor instead of a ``wp.array``: a
+    launch of a kernel with seven tensor arguments took 59 µs, 23 µs with
+    descriptors (one AMD EPYC thread), and a tensor that requires grad gets
+    no gradient buffer allocated behind it.
     """
     wp = warp_module()
     wp_device = wp.device_from_torch(device)
     stream = wp.stream_from_torch(device) if wp_device.is_cuda else None
+    kinds = _argument_kinds(kernel)
+    args = [_descriptor(wp, kernel, kinds, k, x) if isinstance(x, torch.Tensor) else x for k, x in enumerate((*inputs, *outputs))]
+    wp.launch(kernel, dim=n_pairs, inputs=args[: len(inputs)], outputs=args[len(inputs) :], device=wp_device, stream=stream)
 
-    def as_warp(x):
-        if not isinstance(x, torch.Tensor):
-            return x
-        if x.ndim == 2 and x.shape[1] == 3:
-            return wp.from_torch(x, dtype=wp.vec3i if x.dtype == torch.int32 else wp.vec3d)
-        return wp.from_torch(x)
 
-    inputs, outputs = [as_warp(x) for x in inputs], [as_warp(x) for x in outputs]
-    wp.launch(kernel, dim=n_pairs, inputs=inputs, outputs=outputs, device=wp_device, stream=stream)
+@functools.cache
+def _argument_kinds(kernel) -> tuple:
+    """Per argument of ``kernel``: ``(name, Warp dtype, torch dtype)`` of a concrete array, else ``(name, None, None)``."""
+    wp = warp_module()
+    kinds = []
+    for arg in kernel.adj.args:
+        dtype = getattr(arg.type, "dtype", None) if wp.types.is_array(arg.type) else None
+        scalar = getattr(dtype, "_wp_scalar_type_", dtype)
+        try:
+            kinds.append((arg.label, dtype, wp.dtype_to_torch(scalar)))
+        except TypeError:  # not an array, or a generic one: Warp converts and checks it
+            kinds.append((arg.label, None, None))
+    return tuple(kinds)
+
+
+def _descriptor(wp, kernel, kinds: tuple, index: int, x: torch.Tensor):
+    """Tensor ``x`` as the array descriptor of ``kernel``'s argument ``index`` (a ``wp.array`` for a generic argument)."""
+    name, dtype, torch_dtype = kinds[index]
+    if dtype is None:
+        return wp.from_torch(x, requires_grad=False)
+    if x.dtype != torch_dtype:
+        raise TypeError(f"Warp kernel {kernel.key!r}: argument {name!r} takes {torch_dtype} tensors, got {x.dtype}")
+    return wp.from_torch(x, dtype=dtype, requires_grad=False, return_ctype=True)
