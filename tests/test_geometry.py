@@ -119,6 +119,32 @@ def test_warp_images_and_nearest_images_equal_the_torch_ones_bit_for_bit(monkeyp
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("grid, pbc", [((1, 1, 1), (True, True, True)), ((2, 1, 2), (True, True, True)), ((2, 2, 1), (True, False, True))])
+def test_warp_images_skip_only_atoms_that_have_none(monkeypatch, grid, pbc):
+    """The Warp kernels skip atoms deep inside their own brick: the images stay those of the torch path, bit for bit.
+
+    The cell is large against the width, so many atoms have no image (the skip is taken) and many have some.
+    """
+    system = triclinic_nacl(repeat=(8, 8, 8), seed=7).replace(pbc=torch.tensor(pbc))
+    lo = hi = None
+    if not all(pbc):
+        frac = Geometry(system.cell, system.pbc).fractional(system.positions)
+        lo, hi = frac.min(dim=0).values, frac.max(dim=0).values
+    part = Partition.build(grid, system.cell, system.pbc, lo, hi)
+    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
+    owner = part.rank_of(part.brick_index(wrapped))
+    home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(owner))
+
+    def images():
+        found = images_near_bricks(part, wrapped, image, 2.5, owner, home)
+        return [found.atom, found.rank, found.shift, found.distance]
+
+    warp, eager = _with_kernels("warp", monkeypatch, images), _with_kernels("torch", monkeypatch, images)
+    assert 0 < torch.unique(eager[0]).numel() < 0.8 * system.n_atoms
+    for a, b in zip(warp, eager):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def _ase_atoms(system, positions):
     from ase import Atoms
 

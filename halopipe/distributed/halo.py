@@ -45,10 +45,11 @@ class HaloPlan:
         device = numbers.device
         order = stable_argsort(images.distance)
         if images.rank.numel() and not _all_equal(images.rank):  # by destination, then distance
-            order = order[stable_argsort(images.rank[order])]
-        self.send_atom = images.atom[order]
-        send_rank = images.rank[order]
-        send_dist = images.distance[order]
+            order = order.index_select(0, stable_argsort(images.rank.index_select(0, order)))
+        # index_select: about half the time of indexing by a tensor on the CPU
+        self.send_atom = images.atom.index_select(0, order)
+        send_rank = images.rank.index_select(0, order)
+        send_dist = images.distance.index_select(0, order)
         ranks, counts = torch.unique_consecutive(send_rank, return_counts=True)
         self.send_counts = dict(zip(ranks.tolist(), counts.tolist()))
         self.recv_counts = comm.exchange_counts(self.send_counts, peers)  # point to point with the peers only
@@ -56,8 +57,11 @@ class HaloPlan:
         self.send_index = {d: self.send_atom[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
         self.send_dist = {d: send_dist[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
         # Metadata travels once per rebuild, in one message: species, id, image shift, and the distance as its bits.
-        bits = send_dist.contiguous().view(torch.int64)[:, None]
-        meta = torch.cat([numbers[self.send_atom, None], ids[self.send_atom, None], images.shift[order], bits], dim=1)
+        meta = torch.empty(order.numel(), 6, dtype=torch.int64, device=device)  # filled by columns: half the time of a cat
+        meta[:, 0] = numbers.index_select(0, self.send_atom)
+        meta[:, 1] = ids.index_select(0, self.send_atom)
+        meta[:, 2:5] = images.shift.index_select(0, order)
+        meta[:, 5] = send_dist.contiguous().view(torch.int64)
         received = self._exchange_rows(meta, torch.int64)
         recv_int = {s: rows[:, :5] for s, rows in received.items()}
         self.recv_dist = {s: rows[:, 5].contiguous().view(torch.float64) for s, rows in received.items()}

@@ -4,7 +4,9 @@ One thread per atom walks its candidate (brick, lattice image) combinations
 axis by axis, entering the next axis only where the current one is within the
 width, so it visits the few candidates an atom really has. Two passes, as the
 pair lists: one counts each atom's images, a prefix sum makes the offsets, the
-other writes them. The order (by atom, then brick and image along axis 0, 1,
+other writes them. An owned atom deeper inside its own brick than the width
+has none, and both passes skip it at once (on one rank, Lennard-Jones 32k:
+about half the atoms; the plan's images 3.3 -> 2.2 ms a rebuild). The order (by atom, then brick and image along axis 0, 1,
 2) and the arithmetic are those of the torch version in
 :func:`halopipe.geometry.images_near_bricks`, so both give the same images in
 the same order, bit for bit.
@@ -25,6 +27,33 @@ def _excess(x: wp.float64, lo: wp.float64, hi: wp.float64, height: wp.float64):
     if not (e > wp.float64(0.0)):
         e = wp.float64(0.0)
     return e * height
+
+
+@wp.func
+def _deeper_than(
+    x: wp.vec3d,
+    rank: wp.int32,
+    grid: wp.vec3i,
+    bounds0: wp.array(dtype=wp.float64),
+    bounds1: wp.array(dtype=wp.float64),
+    bounds2: wp.array(dtype=wp.float64),
+    heights: wp.vec3d,
+    width: wp.float64,
+):
+    """Whether fractional ``x`` lies deeper than ``width`` (Å) inside the brick of ``rank`` along every axis.
+
+    Such an owned atom has no image within ``width`` of any brick: the bricks
+    tile each axis within one period without overlap, so any other brick or
+    lattice image lies at least that depth away along some axis. The margin
+    keeps rounding from ever skipping an atom that has an image.
+    """
+    b0 = rank / (grid[1] * grid[2])
+    b1 = (rank / grid[2]) % grid[1]
+    b2 = rank % grid[2]
+    d0 = wp.min(x[0] - bounds0[b0], bounds0[b0 + 1] - x[0]) * heights[0]
+    d1 = wp.min(x[1] - bounds1[b1], bounds1[b1 + 1] - x[1]) * heights[1]
+    d2 = wp.min(x[2] - bounds2[b2], bounds2[b2 + 1] - x[2]) * heights[2]
+    return wp.min(wp.min(d0, d1), d2) > width * wp.float64(1.0 + 1e-9) + wp.float64(1e-9)
 
 
 def _images_near_bricks(write: bool):
@@ -62,6 +91,14 @@ def _images_near_bricks(write: bool):
         n = wp.int32(0)
         if wp.static(write):
             n = offsets[i]
+            if offsets[i + 1] == n:  # no images (most atoms inside a brick)
+                return
+        elif exclude != 0:
+            home = own_image[i]
+            owned = w + wp.vec3d(wp.float64(home[0]), wp.float64(home[1]), wp.float64(home[2]))
+            if _deeper_than(owned, own_rank[i], grid, bounds0, bounds1, bounds2, heights, width):
+                counts[i] = 0
+                return
         for b0 in range(grid[0]):
             for s0 in range(-reach[0], reach[0] + 1):
                 e0 = _excess(w[0] + wp.float64(s0), bounds0[b0], bounds0[b0 + 1], heights[0])
