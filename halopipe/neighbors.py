@@ -334,7 +334,7 @@ def _cube_edge(cutoff: float, density: float) -> float:
     return cutoff * ((0.5 if sphere_rows > SPHERE_ROWS_FOR_HALF_CUBES else 1.0) + 1e-9)
 
 
-X_SLICES_PER_CUTOFF = 4
+X_SLICES_PER_CUTOFF = 8
 """The search's cells are cubes sliced along x, about this many slices per cutoff (:func:`_warp_owned_half_pairs`).
 
 A row scans each line of cells it reaches from the first slice the cutoff
@@ -342,7 +342,10 @@ sphere touches to the last; thin slices trim that scan close to the
 sphere's chord at no extra line set-up (a line's slices are contiguous
 in the sorted rows). Lennard-Jones argon 32k, cubes of the cutoff: the
 search kernel 20.8 ms a rebuild whole, 17.9 in two slices, 16.7 in four,
-15.6 in eight (whose thin slices cost the packing more than that).
+15.6 in eight. Eight once cost the packing more than that, while the slots
+were sized from the slices' density; sized from the last search they are
+not, and on two ranks the kernel went from 8.6-9.2 to 8.0-8.6 ms a rebuild
+per rank (NaCl 4k's half cubes: the same 2.5-2.7 ms).
 """
 
 
