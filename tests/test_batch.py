@@ -132,7 +132,9 @@ def test_repeated_calls_reuse_plans_and_follow_moving_atoms():
     moved = [s.replace(positions=s.positions + 0.05 * torch.sin(torch.arange(s.n_atoms * 3.0)).reshape(-1, 3)) for s in systems]
     again = pipe(moved)
     fresh = Pipeline(demo_like(), config=DomainConfig(skin=0.3))(moved)
-    np.testing.assert_allclose(again["forces"].numpy(), fresh["forces"].numpy(), rtol=0, atol=1e-13)
+    # The kept lists hold the pairs in another order than fresh ones: sums differ by rounding, 4e-12 on forces of 1e4
+    # eV/Å between the close atoms of `mixed()` (3e-16 relative). The brief's bound on forces holds.
+    np.testing.assert_allclose(again["forces"].numpy(), fresh["forces"].numpy(), rtol=0, atol=1e-10)
     np.testing.assert_allclose(again["energy"].numpy(), fresh["energy"].numpy(), rtol=1e-14)
 
 
