@@ -42,3 +42,14 @@ def test_integers_of_either_sign(n, low):
         keys[-1] = torch.iinfo(torch.int64).max  # the padding's own value: real keys still come first
     assert torch.equal(stable_argsort(keys), _reference(keys))
     assert torch.equal(stable_argsort(keys.int()), _reference(keys.int()))
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("high", [2, 32767, 32768, 2**31 - 1, 2**31])
+def test_integers_narrowed_to_their_range(n, high):
+    """Keys that fit int16 or int32 (the padding's value included, at the bounds) sort as the int64 keys do."""
+    generator = torch.Generator().manual_seed(n + high % 97)
+    keys = _with_ties(torch.randint(0, high, (n,), generator=generator))
+    if n > 2:
+        keys[-1] = high  # the narrow type's largest value, where it fits: equal to the padding
+    assert torch.equal(stable_argsort(keys), _reference(keys))
