@@ -487,11 +487,12 @@ class LocalDomain(Domain):
         imgs = images_near_bricks(partition, wrapped, image, width + skin_margin(self.skin), own_rank=own)
         order = stable_argsort(imgs.distance)
         self.owned_shift = -image
-        self.ghost_atom = imgs.atom[order]
-        self.ghost_shift = imgs.shift[order]
-        self.ghost_distance = imgs.distance[order]
-        self.ghost_numbers = self.numbers[self.ghost_atom]
-        self.ghost_ids = self.ids[self.ghost_atom]
+        # index_select: about half the time of indexing by a tensor on the CPU
+        self.ghost_atom = imgs.atom.index_select(0, order)
+        self.ghost_shift = imgs.shift.index_select(0, order)
+        self.ghost_distance = imgs.distance.index_select(0, order)
+        self.ghost_numbers = self.numbers.index_select(0, self.ghost_atom)
+        self.ghost_ids = self.ids.index_select(0, self.ghost_atom)
         self._ref = self.positions.detach().clone()
         self._width = float(width)
         self.plan_version = next_plan_version()

@@ -70,13 +70,12 @@ class HaloPlan:
         blocks_dist = torch.cat(dists) if dists else torch.zeros(0, dtype=torch.float64, device=device)
         # Each source sends in ascending distance: one source's block is in order already.
         ghost_order = stable_argsort(blocks_dist) if len(dists) > 1 else torch.arange(blocks_dist.numel(), device=device)
-        self.ghost_numbers = blocks_int[ghost_order, 0]
-        self.ghost_ids = blocks_int[ghost_order, 1]
-        self.ghost_shift = blocks_int[ghost_order, 2:5]
-        self.ghost_distance = blocks_dist[ghost_order]
+        rows = blocks_int.index_select(0, ghost_order)
+        self.ghost_numbers, self.ghost_ids = rows[:, 0].contiguous(), rows[:, 1].contiguous()
+        self.ghost_shift = rows[:, 2:5].contiguous()
+        self.ghost_distance = blocks_dist.index_select(0, ghost_order)
         # Position in the sorted ghost rows of each received row, per source.
-        where = torch.empty_like(ghost_order)
-        where[ghost_order] = torch.arange(ghost_order.numel(), device=device)
+        where = torch.empty_like(ghost_order).index_copy_(0, ghost_order, torch.arange(ghost_order.numel(), device=device))
         self.recv_slot = {}
         offset = 0
         for s in sorted(recv_int):
