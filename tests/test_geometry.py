@@ -91,19 +91,24 @@ def _with_kernels(kind: str, monkeypatch, compute):
         pair_kernels.warp_kernel.cache_clear()
 
 
+def _partitioned(system, grid):
+    """``system``'s partition into ``grid`` bricks (open axes spanning the atoms), its wrapped atoms, images and owners."""
+    lo = hi = None
+    if not bool(system.pbc.all()):
+        frac = Geometry(system.cell, system.pbc).fractional(system.positions)
+        lo, hi = frac.min(dim=0).values, frac.max(dim=0).values
+    part = Partition.build(grid, system.cell, system.pbc, lo, hi)
+    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
+    return part, wrapped, image, part.rank_of(part.brick_index(wrapped))
+
+
 @pytest.mark.parametrize(
     "grid, width, pbc", [((2, 1, 2), 9.5, (True, True, True)), ((2, 2, 1), 5.0, (True, False, True)), ((3, 1, 1), 12.0, (False,) * 3)]
 )
 def test_warp_images_and_nearest_images_equal_the_torch_ones_bit_for_bit(monkeypatch, grid, width, pbc):
     """The halo plan's geometry is the same, in the same order, with either kernel technology (owned images left out too)."""
     system = triclinic_nacl(repeat=(2, 1, 1), seed=4).replace(pbc=torch.tensor(pbc))
-    lo = hi = None
-    if not all(pbc):
-        frac = Geometry(system.cell, system.pbc).fractional(system.positions)
-        lo, hi = frac.min(dim=0).values, frac.max(dim=0).values
-    part = Partition.build(grid, system.cell, system.pbc, lo, hi)
-    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
-    owner = part.rank_of(part.brick_index(wrapped))
+    part, wrapped, image, owner = _partitioned(system, grid)
     g = torch.Generator().manual_seed(0)
     bricks = torch.stack([torch.randint(0, p, (system.n_atoms,), generator=g) for p in grid], dim=1)
 
@@ -126,13 +131,7 @@ def test_warp_images_skip_only_atoms_that_have_none(monkeypatch, grid, pbc):
     The cell is large against the width, so many atoms have no image (the skip is taken) and many have some.
     """
     system = triclinic_nacl(repeat=(8, 8, 8), seed=7).replace(pbc=torch.tensor(pbc))
-    lo = hi = None
-    if not all(pbc):
-        frac = Geometry(system.cell, system.pbc).fractional(system.positions)
-        lo, hi = frac.min(dim=0).values, frac.max(dim=0).values
-    part = Partition.build(grid, system.cell, system.pbc, lo, hi)
-    wrapped, image = part.wrap(part.geometry.fractional(system.positions))
-    owner = part.rank_of(part.brick_index(wrapped))
+    part, wrapped, image, owner = _partitioned(system, grid)
     home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(owner))
 
     def images():

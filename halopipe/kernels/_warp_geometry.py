@@ -6,10 +6,10 @@ width, so it visits the few candidates an atom really has. Two passes, as the
 pair lists: one counts each atom's images, a prefix sum makes the offsets, the
 other writes them. An owned atom deeper inside its own brick than the width
 has none, and both passes skip it at once (on one rank, Lennard-Jones 32k:
-about half the atoms; the plan's images 3.3 -> 2.2 ms a rebuild). The order (by atom, then brick and image along axis 0, 1,
-2) and the arithmetic are those of the torch version in
-:func:`halopipe.geometry.images_near_bricks`, so both give the same images in
-the same order, bit for bit.
+about half the atoms; the plan's images 3.3 -> 2.2 ms a rebuild). The order
+(by atom, then brick and image along axis 0, 1, 2) and the arithmetic are
+those of the torch version in :func:`halopipe.geometry.images_near_bricks`,
+so both give the same images in the same order, bit for bit.
 """
 
 from __future__ import annotations
