@@ -283,3 +283,26 @@ def test_erfc_sharing_the_force_exponential_matches_libm(monkeypatch):
     out = torch.zeros_like(x)
     wp.launch(erfc_of, dim=x.numel(), inputs=[wp.from_torch(x)], outputs=[wp.from_torch(out)], device="cpu")
     torch.testing.assert_close(out, torch.special.erfc(x), rtol=5e-15, atol=0.0)
+
+
+def test_a_tensor_of_the_wrong_dtype_is_refused_before_the_launch(monkeypatch):
+    """Descriptors carry no dtype for Warp to check: the launcher checks each tensor against the kernel's argument types.
+
+    A float32 position array passed where the kernel reads float64 rows is refused before the launch, with an error
+    naming the kernel, the argument and both dtypes, and the outputs are left untouched.
+    """
+    kernel = _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("nearest_image", "_warp_geometry"))
+    if kernel is None:
+        pytest.skip("NVIDIA Warp is not available here")
+    n = 4
+    bounds = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    wp = kernel_backend_module.warp_module()
+    images, dist = torch.full((n, 3), 7, dtype=torch.int32), torch.full((n,), 7.0, dtype=torch.float64)
+    geometry = [bounds, bounds, bounds, wp.vec3i(1, 1, 1), wp.vec3d(10.0, 10.0, 10.0)]
+    brick = torch.zeros(n, 3, dtype=torch.int32)
+    cpu = torch.device("cpu")
+    with pytest.raises(TypeError, match=r"'nearest_image'.*'wrapped' takes torch.float64 tensors, got torch.float32"):
+        pair_kernels.launch(kernel, n, cpu, [torch.full((n, 3), 0.5, dtype=torch.float32), brick, *geometry], [images, dist])
+    assert bool((dist == 7.0).all())
+    pair_kernels.launch(kernel, n, cpu, [torch.full((n, 3), 0.5, dtype=torch.float64), brick, *geometry], [images, dist])
+    assert bool((images == 0).all()) and bool((dist == 0.0).all())  # the same call with float64 rows: inside the brick
