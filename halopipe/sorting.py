@@ -40,12 +40,14 @@ def stable_argsort(keys: torch.Tensor) -> torch.Tensor:
     result as ``torch.argsort(keys, stable=True)``, sooner on the CPU.
     """
     n = keys.numel()
-    if keys.is_floating_point():
+    floats = keys.is_floating_point()
+    if floats:
         # Non-negative floats order as their bits; adding 0.0 turns -0.0 (bits of a negative integer) into +0.0.
         keys = (keys + 0.0).view({8: torch.int64, 4: torch.int32, 2: torch.int16}[keys.element_size()])
     if keys.device.type != "cpu" or n < PAD_FROM:
         return torch.argsort(keys, stable=True)
-    keys = _narrowest(keys)
+    if not floats:  # a positive float's bits fill its width: nothing to narrow
+        keys = _narrowest(keys)
     if n >= RADIX_SORT_MIN:
         return torch.argsort(keys, stable=True)
     padding = keys.new_full((RADIX_SORT_MIN - n,), torch.iinfo(keys.dtype).max)
