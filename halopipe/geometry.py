@@ -24,7 +24,7 @@ import torch
 from .kernels.backend import warp_module
 from .kernels.pairs import launch, warp_kernel
 
-__all__ = ["Geometry", "Partition", "choose_grid", "ImageSet", "images_near_bricks"]
+__all__ = ["Geometry", "Partition", "Placement", "choose_grid", "ImageSet", "images_near_bricks"]
 
 _GEOMETRY = "_warp_geometry"  # the Warp source of the kernels here (halopipe.kernels._warp_geometry)
 
@@ -187,6 +187,58 @@ class Partition:
         """(N, 3) brick index of each given rank."""
         _, py, pz = self.grid
         return torch.stack([rank // (py * pz), (rank // pz) % py, rank % pz], dim=1)
+
+    def place(self, frac: torch.Tensor, rank: int) -> Placement:
+        """Where each row of fractional coordinates ``frac`` lies: wrapped, in which brick, and as seen from ``rank``'s brick.
+
+        One pass with Warp; otherwise :meth:`wrap`, :meth:`brick_index`,
+        :meth:`rank_of` and :meth:`nearest_image` in turn, with the same
+        arithmetic, so both give the same result bit for bit.
+        """
+        kernel = warp_kernel("place_rows", _GEOMETRY)
+        if kernel is not None:
+            return self._warp_place(kernel, frac, rank)
+        wrapped, image = self.wrap(frac)
+        brick = self.brick_index_of_rank(torch.full((frac.shape[0],), int(rank), dtype=torch.int64, device=frac.device))
+        home, outside = self.nearest_image(wrapped, brick)
+        return Placement(wrapped, image, self.rank_of(self.brick_index(wrapped)), home, outside)
+
+    def _warp_place(self, kernel, frac: torch.Tensor, rank: int) -> Placement:
+        """:meth:`place` by one Warp thread per row."""
+        wp, device, n = warp_module(), frac.device, frac.shape[0]
+        wrapped = torch.empty(n, 3, dtype=torch.float64, device=device)
+        image, home = torch.empty(n, 3, dtype=torch.int32, device=device), torch.empty(n, 3, dtype=torch.int32, device=device)
+        owner = torch.empty(n, dtype=torch.int32, device=device)
+        outside = torch.empty(n, dtype=torch.float64, device=device)
+        inputs = [
+            frac.to(torch.float64).contiguous(),
+            *_bounds_on(self, device),
+            wp.vec3i(*self.grid),
+            wp.vec3i(*[int(bool(p)) for p in self.geometry.pbc]),
+            wp.vec3d(*[float(h) for h in self.geometry.heights]),
+            int(rank),
+        ]
+        launch(kernel, n, device, inputs, [wrapped, image, owner, home, outside])
+        return Placement(wrapped, image.to(torch.int64), owner.to(torch.int64), home.to(torch.int64), outside)
+
+
+@dataclass
+class Placement:
+    """Rows placed in a :class:`Partition` as seen from one rank's brick (:meth:`Partition.place`).
+
+    ``wrapped`` (N, 3): fractional coordinates wrapped into the cell along
+    periodic axes; ``image`` (N, 3): the integer image that wrapping removed
+    (the row is ``wrapped + image``); ``owner`` (N,): the rank of the brick
+    holding ``wrapped``; ``home`` (N, 3): the image (relative to ``wrapped``)
+    nearest the rank's brick, and ``outside`` (N,) its slab distance (Å)
+    outside that brick, 0 inside.
+    """
+
+    wrapped: torch.Tensor
+    image: torch.Tensor
+    owner: torch.Tensor
+    home: torch.Tensor
+    outside: torch.Tensor
 
 
 @dataclass

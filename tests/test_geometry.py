@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -142,6 +143,46 @@ def test_warp_images_skip_only_atoms_that_have_none(monkeypatch, grid, pbc):
     assert 0 < torch.unique(eager[0]).numel() < 0.8 * system.n_atoms
     for a, b in zip(warp, eager):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "grid, pbc",
+    [((1, 1, 1), (True, True, True)), ((2, 1, 3), (True, True, True)), ((2, 2, 1), (True, False, True)), ((3, 1, 2), (False,) * 3)],
+)
+def test_warp_placement_equals_the_torch_one_bit_for_bit_and_holds_each_row_in_its_brick(monkeypatch, grid, pbc):
+    """``Partition.place`` (wrap, owning brick, nearest image to a rank's brick) is the same with either technology.
+
+    Rows are spread over several cells either way (wrapping at work), and the owner's brick bounds each wrapped row.
+    """
+    system = triclinic_nacl(repeat=(3, 2, 2), seed=11).replace(pbc=torch.tensor(pbc))
+    g = torch.Generator().manual_seed(1)
+    positions = system.positions + (torch.randint(-2, 3, (system.n_atoms, 3), generator=g).to(system.dtype) @ system.cell) * system.pbc
+    part, _, _, _ = _partitioned(system.replace(positions=positions), grid)
+    frac = part.geometry.fractional(positions)
+    ranks = range(math.prod(grid))
+
+    def placements():
+        return [[getattr(part.place(frac, r), key) for key in ("wrapped", "image", "owner", "home", "outside")] for r in ranks]
+
+    warp, eager = _with_kernels("warp", monkeypatch, placements), _with_kernels("torch", monkeypatch, placements)
+    for per_rank_warp, per_rank_eager in zip(warp, eager):
+        for a, b in zip(per_rank_warp, per_rank_eager):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    wrapped, image, owner = eager[0][:3]
+    assert bool((image != 0).any()) == bool(system.pbc.any())
+    assert torch.allclose(wrapped + image, frac, rtol=0.0, atol=1e-14)  # wrapping moves rows by whole lattice vectors only
+    brick = part.brick_index_of_rank(owner)
+    for a in range(3):
+        lo, hi = part.bounds[a][brick[:, a]], part.bounds[a][brick[:, a] + 1]
+        assert bool(((lo <= wrapped[:, a]) & (wrapped[:, a] < hi) | (hi == 1.0) & (wrapped[:, a] == 1.0)).all())
+    for r in ranks:  # a row's home image lies in the rank's brick exactly when it is 0 Å outside it
+        home, outside = eager[r][3:]
+        inside = torch.ones(len(outside), dtype=torch.bool)
+        mine = part.brick_index_of_rank(torch.tensor([r]))[0]
+        for a in range(3):
+            x = wrapped[:, a] + home[:, a]
+            inside &= (part.bounds[a][mine[a]] <= x) & (x <= part.bounds[a][mine[a] + 1])
+        assert torch.equal(inside, outside == 0)
 
 
 def _ase_atoms(system, positions):

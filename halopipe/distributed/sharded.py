@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..domain import Domain, DomainConfig, next_plan_version, skin_margin, strain_displacement
-from ..geometry import Geometry, Partition, choose_grid, images_near_bricks
+from ..geometry import Geometry, Partition, Placement, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
 from ..sorting import stable_argsort
 from ..system import System
@@ -232,31 +232,31 @@ class ShardedSystem(Domain):
         """
         old = self.partition
         self.partition = self._build_partition()
-        wrapped, image = self.partition.wrap(self.partition.geometry.fractional(self.positions))
+        place = self._place()
         if self.world_size == 1 and old is not None:
             # One brick holding every atom (its bounds on an open axis follow them): each atom is in it as wrapped, and
-            # nothing migrates. Spares a rebuild the brick search, the nearest images and the migration's sort (~2 ms at 32k).
-            kept, home, peers = True, torch.zeros_like(image), [self.rank]
+            # nothing migrates. Spares a rebuild the migration's sort (~2 ms at 32k).
+            kept, peers = True, [self.rank]
         else:
-            kept, home, peers = self._migrate_to_bricks(old, wrapped, hysteresis, width, moved)
+            kept, peers = self._migrate_to_bricks(old, place, hysteresis, width, moved)
         self._ref = self.positions.detach().clone()
         self._ref_cell = self.cell.detach().clone()
         if width is not None:
-            # Where the owned rows stayed as they were, their wrapping and nearest images to this brick still hold.
-            self._build_plan(width, peers, (wrapped, image, home) if kept and home is not None else None)
+            # Where the owned rows stayed as they were, their placement still holds.
+            self._build_plan(width, peers, place if kept else None)
 
-    def _migrate_to_bricks(self, old: Partition | None, wrapped: torch.Tensor, hysteresis: bool, width: float | None, moved: float):
+    def _place(self) -> Placement:
+        """The owned rows placed in the partition, as seen from this rank's brick."""
+        return self.partition.place(self.partition.geometry.fractional(self.positions), self.rank)
+
+    def _migrate_to_bricks(self, old: Partition | None, place: Placement, hysteresis: bool, width: float | None, moved: float):
         """Send each atom to the rank of its brick, or keep it while within skin/2 of this one (``hysteresis``).
 
-        Returns whether the owned rows stayed as they were, their nearest
-        images to this brick (None without hysteresis) and the plan's peers.
+        Returns whether the owned rows stayed as they were and the plan's peers.
         """
-        new_owner = self.partition.rank_of(self.partition.brick_index(wrapped))
-        home = None
-        if hysteresis and self.n_owned:
-            mine = self.partition.brick_index_of_rank(torch.full((self.n_owned,), self.rank, device=wrapped.device))
-            home, outside = self.partition.nearest_image(wrapped, mine)
-            new_owner = torch.where(outside <= 0.5 * self.skin, torch.full_like(new_owner, self.rank), new_owner)
+        new_owner = place.owner
+        if hysteresis:
+            new_owner = torch.where(place.outside <= 0.5 * self.skin, self.rank, new_owner)
         peers = None
         if width is not None:
             reach = float(width) + skin_margin(self.skin) + 0.5 * self.skin  # ghosts' reach plus an owned atom's hysteresis
@@ -265,7 +265,7 @@ class ShardedSystem(Domain):
         shift = math.inf if old is None else bounds_shift(old, self.partition)
         near = peers is not None and 0.5 * self.skin + moved + shift <= reach
         kept = not self._migrate(new_owner, peers if near else None, copy=old is None)
-        return kept, home, peers
+        return kept, peers
 
     def _build_partition(self) -> Partition:
         geo_pbc = self.pbc.cpu()
@@ -277,17 +277,13 @@ class ShardedSystem(Domain):
             hi = self.comm.all_reduce(frac.max(dim=0).values if frac.shape[0] else -big, "max")
         return Partition.build(self.grid, self.cell, self.pbc, lo, hi)
 
-    def _build_plan(self, width: float, peers: list[int], placed: tuple | None = None) -> None:
-        """The halo plan for ``width``; ``placed``: the owned rows' ``(wrapped, image, home)`` when already known."""
+    def _build_plan(self, width: float, peers: list[int], place: Placement | None = None) -> None:
+        """The halo plan for ``width``; ``place``: the owned rows' placement when already known."""
         part = self.partition
-        ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int64, device=self.positions.device)
-        if placed is None:
-            wrapped, image = part.wrap(part.geometry.fractional(self.positions))
-            home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(ranks))
-        else:
-            wrapped, image, home = placed
-        self.owned_shift = home - image
-        images = images_near_bricks(part, wrapped, image, width + skin_margin(self.skin), own_rank=ranks, own_image=home)
+        place = self._place() if place is None else place
+        ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int32, device=self.positions.device)
+        self.owned_shift = place.home - place.image
+        images = images_near_bricks(part, place.wrapped, place.image, width + skin_margin(self.skin), own_rank=ranks, own_image=place.home)
         self.plan = HaloPlan(self.comm, images, self.numbers, self.ids, peers)
         self.ghost_numbers, self.ghost_ids = self.plan.ghost_numbers, self.plan.ghost_ids
         self.ghost_shift, self.ghost_distance = self.plan.ghost_shift, self.plan.ghost_distance

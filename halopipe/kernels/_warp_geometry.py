@@ -172,3 +172,57 @@ def nearest_image(
     n2 = _nearest_along(w[2], bounds2[b[2]], bounds2[b[2] + 1], heights[2], periodic[2])
     images[i] = wp.vec3i(wp.int32(n0[0]), wp.int32(n1[0]), wp.int32(n2[0]))
     distance[i] = wp.max(wp.max(wp.max(wp.float64(0.0), n0[1]), n1[1]), n2[1])
+
+
+@wp.func
+def _wrap_along(x: wp.float64, periodic: wp.int32):
+    """The lattice image ``floor(x)`` removed by wrapping along a periodic axis; 0 along an open one."""
+    if periodic != 0:
+        return wp.floor(x)
+    return wp.float64(0.0)
+
+
+@wp.func
+def _brick_along(x: wp.float64, bounds: wp.array(dtype=wp.float64)):
+    """The brick holding ``x`` along an axis: how many inner bounds lie at or below it (``torch.bucketize(..., right=True)``)."""
+    k = wp.int32(0)
+    for j in range(1, bounds.shape[0] - 1):
+        if bounds[j] <= x:
+            k += 1
+    return k
+
+
+@wp.kernel
+def place_rows(
+    frac: wp.array(dtype=wp.vec3d),
+    bounds0: wp.array(dtype=wp.float64),
+    bounds1: wp.array(dtype=wp.float64),
+    bounds2: wp.array(dtype=wp.float64),
+    grid: wp.vec3i,
+    periodic: wp.vec3i,
+    heights: wp.vec3d,
+    rank: wp.int32,
+    wrapped: wp.array(dtype=wp.vec3d),
+    image: wp.array(dtype=wp.vec3i),
+    owner: wp.array(dtype=wp.int32),
+    home: wp.array(dtype=wp.vec3i),
+    outside: wp.array(dtype=wp.float64),
+):
+    """Per row, in one pass: its wrapped coordinates and image, the rank of the brick holding it, and its image nearest
+    ``rank``'s brick with the slab distance outside that brick (the arithmetic of the torch wrap, bucketize and
+    :data:`nearest_image`)."""
+    i = wp.tid()
+    f = frac[i]
+    m = wp.vec3d(_wrap_along(f[0], periodic[0]), _wrap_along(f[1], periodic[1]), _wrap_along(f[2], periodic[2]))
+    w = f - m
+    wrapped[i] = w
+    image[i] = wp.vec3i(wp.int32(m[0]), wp.int32(m[1]), wp.int32(m[2]))
+    owner[i] = (_brick_along(w[0], bounds0) * grid[1] + _brick_along(w[1], bounds1)) * grid[2] + _brick_along(w[2], bounds2)
+    b0 = rank / (grid[1] * grid[2])
+    b1 = (rank / grid[2]) % grid[1]
+    b2 = rank % grid[2]
+    n0 = _nearest_along(w[0], bounds0[b0], bounds0[b0 + 1], heights[0], periodic[0])
+    n1 = _nearest_along(w[1], bounds1[b1], bounds1[b1 + 1], heights[1], periodic[1])
+    n2 = _nearest_along(w[2], bounds2[b2], bounds2[b2 + 1], heights[2], periodic[2])
+    home[i] = wp.vec3i(wp.int32(n0[0]), wp.int32(n1[0]), wp.int32(n2[0]))
+    outside[i] = wp.max(wp.max(wp.max(wp.float64(0.0), n0[1]), n1[1]), n2[1])
