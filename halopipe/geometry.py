@@ -328,8 +328,14 @@ def _bounds_on(partition: Partition, device: torch.device) -> list[torch.Tensor]
 
 
 def _image_reach(partition: Partition, width: float) -> list[int]:
-    """Per axis, how many lattice images either way can lie within ``width`` of a brick (0 where not periodic)."""
-    return [int(math.ceil(width / float(h))) + 1 if bool(p) else 0 for h, p in zip(partition.geometry.heights, partition.geometry.pbc)]
+    """Per axis, how many lattice images either way can lie within ``width`` of a brick (0 where not periodic).
+
+    A wrapped coordinate ``x`` lies in [0, 1] and so do the bricks, so image
+    ``x + s`` is within ``w = width / height`` of one only if
+    ``|s| <= 1 + w``: ``1 + floor(w)`` images either way (one for a width
+    under the height, where ``ceil(w) + 1`` scanned two).
+    """
+    return [int(math.floor(width / float(h))) + 1 if bool(p) else 0 for h, p in zip(partition.geometry.heights, partition.geometry.pbc)]
 
 
 def _warp_images_near_bricks(

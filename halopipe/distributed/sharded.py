@@ -64,6 +64,8 @@ class ShardedSystem(Domain):
         self._ref: torch.Tensor | None = None
         self._ref_cell: torch.Tensor | None = None  # reference positions and cell: those of the last migration
         self._mesh_transforms: dict[tuple, PencilMeshTransform] = {}
+        self._peers: list[int] = []
+        self._peers_key: tuple | None = None  # (the partition, the reach) that _peers were found for
 
     # ------------------------------------------------------------- creation
     @classmethod
@@ -260,7 +262,7 @@ class ShardedSystem(Domain):
         peers = None
         if width is not None:
             reach = float(width) + skin_margin(self.skin) + 0.5 * self.skin  # ghosts' reach plus an owned atom's hysteresis
-            peers = bricks_within(self.partition, self.rank, reach + 1e-6)  # a hair more: faces and excesses round differently
+            peers = self._peers_within(reach + 1e-6)  # a hair more: faces and excesses round differently
         # An atom was within skin/2 of its old brick at the last migration; the brick's faces moved by at most shift.
         shift = math.inf if old is None else bounds_shift(old, self.partition)
         near = peers is not None and 0.5 * self.skin + moved + shift <= reach
@@ -268,14 +270,23 @@ class ShardedSystem(Domain):
         return kept, peers
 
     def _build_partition(self) -> Partition:
+        """This rebuild's bricks: the last ones while the cell is periodic and unchanged (their bounds are fixed then)."""
         geo_pbc = self.pbc.cpu()
         lo = hi = None
+        if self.partition is not None and bool(geo_pbc.all()) and torch.equal(self.cell, self._ref_cell):
+            return self.partition
         if not bool(geo_pbc.all()):
             frac = Geometry(self.cell, self.pbc).fractional(self.positions)
             big = torch.full((3,), math.inf, dtype=torch.float64, device=frac.device)
             lo = -self.comm.all_reduce(-(frac.min(dim=0).values if frac.shape[0] else big), "max")
             hi = self.comm.all_reduce(frac.max(dim=0).values if frac.shape[0] else -big, "max")
         return Partition.build(self.grid, self.cell, self.pbc, lo, hi)
+
+    def _peers_within(self, reach: float) -> list[int]:
+        """:func:`bricks_within` this rank's brick, remembered for the partition and reach it was found for."""
+        if self._peers_key is None or self._peers_key[0] is not self.partition or self._peers_key[1] != reach:
+            self._peers, self._peers_key = bricks_within(self.partition, self.rank, reach), (self.partition, reach)
+        return self._peers
 
     def _build_plan(self, width: float, peers: list[int], place: Placement | None = None) -> None:
         """The halo plan for ``width``; ``place``: the owned rows' placement when already known."""

@@ -139,7 +139,7 @@ def _nearest_along(x: wp.float64, lo: wp.float64, hi: wp.float64, height: wp.flo
     """(image, excess) of the image of ``x`` among 0, -1, +1 (0 only where not periodic) nearest the slab; the first on ties."""
     best = wp.float64(0.0)
     least = _excess(x, lo, hi, height)
-    if periodic != 0:
+    if periodic != 0 and least > wp.float64(0.0):  # inside at image 0 (most rows): no other image is nearer
         below = _excess(x + wp.float64(-1.0), lo, hi, height)
         if below < least:
             best = wp.float64(-1.0)
