@@ -16,7 +16,7 @@ from halopipe.kernels import ewald as ewald_kernels
 from halopipe.kernels import lennard_jones as lj_kernels
 from halopipe.kernels import pairs as pair_kernels
 from halopipe.models.coulomb import COULOMB_CONSTANT
-from halopipe.neighbors import owned_half_pairs, owned_pairs
+from halopipe.neighbors import GroupedPairs, owned_half_pairs, owned_pairs
 from halopipe.testing import check_model
 
 
@@ -218,13 +218,22 @@ def _with_backend(monkeypatch, name: str, fn):
         pair_kernels.warp_kernel.cache_clear()
 
 
-def test_charge_kernels_warp_equal_their_torch_twins(monkeypatch, nacl):
-    """The Warp DSF and coordination kernels against their eager twins on the same half list, weights and charges."""
+@pytest.mark.parametrize("grouped", [False, True])
+def test_charge_kernels_warp_equal_their_torch_twins(monkeypatch, nacl, grouped):
+    """The Warp DSF and coordination kernels against their eager twins on the same half list, weights and charges.
+
+    ``grouped``: the list grouped by owned row, as a domain's lists come (the DSF kernel then runs a thread per row).
+    """
     if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_half_list", "_warp_electrostatics")) is None:
         pytest.skip("NVIDIA Warp is not available here")
     rows = nacl.positions
     n = rows.shape[0]
-    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows, n, 6.0), n, True)
+    pairs = owned_half_pairs(rows, n, 6.0)
+    if grouped:
+        by_row = GroupedPairs.from_pairs(pairs, n)
+        half = pair_kernels.HalfList(None, by_row.partners, by_row.start)
+    else:
+        half = pair_kernels.HalfList.from_pairs(pairs, n, True)
     weights = torch.linspace(0.3, 1.7, n, dtype=torch.float64)
     charges = nacl.fields["charges"] * torch.linspace(0.8, 1.1, n, dtype=torch.float64)
     pair = DSFCoulomb(5.5, 0.25)._pair

@@ -1,7 +1,8 @@
 """Warp sources of the charge kernels (imported only when Warp loads): damped Coulomb pairs and coordination numbers.
 
 Conventions as in :mod:`._warp_pairs`: one thread per pair ``(a, b)`` of a
-half list, candidates beyond the cutoff skipped, pair terms added to both ends.
+half list, or per owned row ``a`` of a list grouped by row (the damped Coulomb
+pairs), candidates beyond the cutoff skipped, pair terms added to both ends.
 """
 
 from __future__ import annotations
@@ -84,6 +85,19 @@ def erfc_given_gauss(x: wp.float64, gauss: wp.float64) -> wp.float64:
     return gauss * (wp.float64(0.5641895835477563) - tail) / x
 
 
+@wp.func
+def _damped_pair(r2: wp.float64, rc: wp.float64, alpha: wp.float64, coulomb: wp.float64, k_shift: wp.float64, k_slope: wp.float64):
+    """``(u, -du/dr / r)`` over ``q_a q_b`` of a pair within the cutoff, at squared distance ``r2``."""
+    r = wp.sqrt(r2)
+    inv_r = wp.float64(1.0) / r  # one division for the three quotients by r
+    exp_ar2 = wp.exp(-alpha * alpha * r2)
+    screened = coulomb * erfc_given_gauss(alpha * r, exp_ar2) * inv_r  # k_e erfc(alpha r) / r
+    pair = screened - k_shift + k_slope * (r - rc)  # Ewald's real space has no shift or slope
+    # -du/dr / r = ((screened + gauss) / r - k_slope) / r, gauss = k_e 2 alpha / sqrt(pi) exp(-alpha^2 r^2)
+    gauss = coulomb * wp.float64(1.1283791670955126) * alpha * exp_ar2
+    return wp.vec2d(pair, ((screened + gauss) * inv_r - k_slope) * inv_r)
+
+
 def _damped_coulomb(charge_gradients: bool):
     """The damped Coulomb pair kernel, with or without ``dE/dq`` (fixed charges need none: two atomic adds a pair less)."""
 
@@ -110,31 +124,85 @@ def _damped_coulomb(charge_gradients: bool):
         r2 = wp.dot(d, d)
         if r2 > rc * rc:  # a candidate within the skin, not the cutoff
             return
-        r = wp.sqrt(r2)
-        inv_r = wp.float64(1.0) / r  # one division for the three quotients by r
-        exp_ar2 = wp.exp(-alpha * alpha * r2)
-        screened = coulomb * erfc_given_gauss(alpha * r, exp_ar2) * inv_r  # k_e erfc(alpha r) / r
-        pair = screened - k_shift + k_slope * (r - rc)  # u / (q_a q_b); Ewald's real space has no shift or slope
+        terms = _damped_pair(r2, rc, alpha, coulomb, k_shift, k_slope)
         qa = charges[a]
         qb = charges[b]
-        half = wp.float64(0.5) * qa * qb * pair
+        half = wp.float64(0.5) * qa * qb * terms[0]
         wp.atomic_add(energies, a, half)
         wp.atomic_add(energies, b, half)
         c = wp.float64(0.5) * (weight[a] + weight[b])
         if wp.static(charge_gradients):
-            wp.atomic_add(charge_grad, a, c * qb * pair)
-            wp.atomic_add(charge_grad, b, c * qa * pair)
-        # -du/dr / r = q_a q_b ((screened + gauss) / r - k_slope) / r, gauss = k_e 2 alpha / sqrt(pi) exp(-alpha^2 r^2)
-        gauss = coulomb * wp.float64(1.1283791670955126) * alpha * exp_ar2
-        f = (c * qa * qb * ((screened + gauss) * inv_r - k_slope) * inv_r) * d
+            wp.atomic_add(charge_grad, a, c * qb * terms[0])
+            wp.atomic_add(charge_grad, b, c * qa * terms[0])
+        f = (c * qa * qb * terms[1]) * d
         wp.atomic_add(forces, b, f)
         wp.atomic_sub(forces, a, f)
 
     return damped_coulomb
 
 
+def _damped_coulomb_rows(charge_gradients: bool):
+    """The same pairs from a list grouped by owned row: one thread per row ``a``, its own terms summed in registers.
+
+    Row ``a``'s pairs are ``second[start[a] .. start[a + 1]]``; the partner
+    ends get their terms by atomic adds. Per thread, one row's position,
+    charge and weight are read once and its sums written once (the pair
+    kernel reads ``first`` and writes both ends of every pair).
+    """
+
+    @wp.kernel
+    def damped_coulomb_rows(
+        rows: wp.array(dtype=wp.vec3d),
+        start: wp.array(dtype=wp.int32),
+        second: wp.array(dtype=wp.int32),
+        charges: wp.array(dtype=wp.float64),
+        weight: wp.array(dtype=wp.float64),
+        rc: wp.float64,
+        alpha: wp.float64,
+        coulomb: wp.float64,
+        k_shift: wp.float64,
+        k_slope: wp.float64,
+        energies: wp.array(dtype=wp.float64),
+        forces: wp.array(dtype=wp.vec3d),
+        charge_grad: wp.array(dtype=wp.float64),
+    ):
+        a = wp.tid()
+        ra = rows[a]
+        qa = charges[a]
+        wa = weight[a]
+        ea = wp.float64(0.0)
+        ga = wp.float64(0.0)
+        fa = wp.vec3d()
+        rc2 = rc * rc
+        for k in range(start[a], start[a + 1]):
+            b = second[k]
+            d = rows[b] - ra
+            r2 = wp.dot(d, d)
+            if r2 <= rc2:  # else a candidate within the skin, not the cutoff
+                terms = _damped_pair(r2, rc, alpha, coulomb, k_shift, k_slope)
+                qb = charges[b]
+                half = wp.float64(0.5) * qa * qb * terms[0]
+                ea += half
+                wp.atomic_add(energies, b, half)
+                c = wp.float64(0.5) * (wa + weight[b])
+                if wp.static(charge_gradients):
+                    ga += c * qb * terms[0]
+                    wp.atomic_add(charge_grad, b, c * qa * terms[0])
+                f = (c * qa * qb * terms[1]) * d
+                wp.atomic_add(forces, b, f)
+                fa -= f
+        wp.atomic_add(energies, a, ea)
+        wp.atomic_add(forces, a, fa)
+        if wp.static(charge_gradients):
+            wp.atomic_add(charge_grad, a, ga)
+
+    return damped_coulomb_rows
+
+
 damped_coulomb_half_list = _damped_coulomb(charge_gradients=True)
 damped_coulomb_half_list_fixed_charges = _damped_coulomb(charge_gradients=False)
+damped_coulomb_grouped = _damped_coulomb_rows(charge_gradients=True)
+damped_coulomb_grouped_fixed_charges = _damped_coulomb_rows(charge_gradients=False)
 
 
 @wp.kernel
