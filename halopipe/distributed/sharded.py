@@ -332,51 +332,62 @@ class ShardedSystem(Domain):
         """Send each owned atom to rank ``dest``; keep atoms sorted by global id. Returns whether the arrays changed.
 
         ``peers``: the ranks that may send or receive atoms (all ranks when
-        ``None``). Where nobody leaves or arrives (always so on one rank) the
+        ``None``). Only the atoms that leave are packed and sent; the ones
+        that stay are gathered with the arrivals into id order, one pass per
+        array. Where nobody leaves or arrives (always so on one rank) the
         arrays stay as they are, unless ``copy`` (the scatter's first
         migration, which copies the input into sorted arrays of its own).
         """
-        order = stable_argsort(dest)
-        ranks, counts = torch.unique_consecutive(dest[order], return_counts=True)
+        stays = dest == self.rank
+        leaving = torch.nonzero(~stays)[:, 0]
+        leaving = leaving.index_select(0, stable_argsort(dest.index_select(0, leaving)))  # grouped by destination
+        ranks, counts = torch.unique_consecutive(dest.index_select(0, leaving), return_counts=True)
         send_counts = dict(zip(ranks.tolist(), counts.tolist()))
         recv_counts = self.comm.exchange_counts(send_counts, peers)
-        if not copy and set(send_counts) | set(recv_counts) <= {self.rank}:
+        if not copy and not send_counts and not recv_counts:
             return False
-        floats, ints = self._pack()
         received = []
-        for data, dtype in ((floats.index_select(0, order), floats.dtype), (ints.index_select(0, order), torch.int64)):
+        for data, dtype in zip(self._pack(leaving), (self.positions.dtype, torch.int64)):
             sends = dict(zip(send_counts, torch.split(data, list(send_counts.values())))) if send_counts else {}
             shapes = {s: (c, data.shape[1]) for s, c in recv_counts.items()}
             got = self.comm.exchange(sends, shapes, dtype, data.device)
             received.append(torch.cat([got[s] for s in sorted(got)]) if got else data[:0])
-        self._unpack(*received)
+        self._merge(torch.nonzero(stays)[:, 0], *received)
         return True
 
-    def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        n, dtype = self.n_owned, self.positions.dtype
-        floats = [self.positions.detach(), self.masses[:, None]]
-        ints = [self.numbers[:, None], self.ids[:, None]]
+    def _pack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The given owned rows as one float block (positions, masses, float fields) and one int64 block (numbers, ids, the rest)."""
+        n, dtype = rows.numel(), self.positions.dtype
+        pick = lambda x: x.detach().index_select(0, rows)  # noqa: E731
+        floats = [pick(self.positions), pick(self.masses)[:, None]]
+        ints = [pick(self.numbers)[:, None], pick(self.ids)[:, None]]
         for name, (shape, dt) in self.schema.items():
-            value = self.fields[name].detach().reshape(n, math.prod(shape))
+            value = pick(self.fields[name]).reshape(n, math.prod(shape))
             (floats if dt.is_floating_point else ints).append(value.to(dtype if dt.is_floating_point else torch.int64))
         return torch.cat(floats, dim=1), torch.cat(ints, dim=1)
 
-    def _unpack(self, floats: torch.Tensor, ints: torch.Tensor) -> None:
-        order = stable_argsort(ints[:, 1])
-        floats, ints = floats.index_select(0, order), ints.index_select(0, order)  # half the time of [order] on the CPU
-        n = floats.shape[0]
-        self.positions, self.masses = floats[:, :3].contiguous(), floats[:, 3].contiguous()
-        self.numbers, self.ids = ints[:, 0].contiguous(), ints[:, 1].contiguous()
-        fcol, icol = 4, 2
-        self.fields = {}
+    def _merge(self, staying: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
+        """The ``staying`` owned rows and the arrived ones (blocks as :meth:`_pack` makes them) as the owned rows, in id order."""
+        n, k = self.n_owned, floats.shape[0]
+        order = stable_argsort(torch.cat([self.ids.index_select(0, staying), ints[:, 1]]))
+        # where each new row comes from in (the owned rows, then the arrived ones): one gather per array
+        source = torch.cat([staying, torch.arange(n, n + k, device=staying.device)]).index_select(0, order)
+
+        def merged(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
+            return torch.cat([mine.detach(), theirs.reshape((k,) + mine.shape[1:]).to(mine.dtype)]).index_select(0, source)
+
+        self.positions, self.masses = merged(self.positions, floats[:, :3]), merged(self.masses, floats[:, 3])
+        self.numbers, self.ids = merged(self.numbers, ints[:, 0]), merged(self.ids, ints[:, 1])
+        fields, fcol, icol = {}, 4, 2
         for name, (shape, dt) in self.schema.items():
             width = math.prod(shape)
             if dt.is_floating_point:
-                self.fields[name] = floats[:, fcol : fcol + width].reshape((n,) + shape).to(dt)
+                fields[name] = merged(self.fields[name], floats[:, fcol : fcol + width])
                 fcol += width
             else:
-                self.fields[name] = ints[:, icol : icol + width].reshape((n,) + shape).to(dt)
+                fields[name] = merged(self.fields[name], ints[:, icol : icol + width])
                 icol += width
+        self.fields = fields
 
 
 def bricks_within(partition: Partition, rank: int, reach: float) -> list[int]:

@@ -104,6 +104,10 @@ def _walk_step(g: torch.Generator, n: int) -> torch.Tensor:
 def migration_walk(steps: int, grid, skin: float) -> dict | None:
     """Random displacements keyed by atom id; plans rebuilt and atoms migrated; compare at the end."""
     system = make_system("triclinic", seed=3)
+    # per-atom data of every kind rides along with its atom: an integer field and a vector field, keyed by id
+    atom = torch.arange(system.n_atoms)
+    system.fields["tag"] = (atom * 7 % 5).to(torch.int32)
+    system.fields["vector"] = torch.stack([atom, -atom, 2 * atom], dim=1).to(system.dtype) / 3.0
     config = DomainConfig(grid=grid, skin=skin, timeout=60)
     pipeline = make_pipeline("all", config=config)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
@@ -129,8 +133,11 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
         g = torch.Generator().manual_seed(1000 + step)
         pos = pos + _walk_step(g, system.n_atoms)
     ref = pipeline(system.replace(positions=pos), stress=True, decompose=False)
+    carried = [torch.equal(final.numbers, system.numbers), torch.equal(final.masses, system.masses)]
+    carried += [final.fields[k].dtype == v.dtype and torch.equal(final.fields[k], v) for k, v in system.fields.items()]
     return {
         "ids_once": bool((ids == 1).all()),
+        "carried": carried,
         "positions": float((final.positions - pos).abs().max()),
         "force": float((forces - ref["forces"]).abs().max()),
         "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
