@@ -222,9 +222,9 @@ def _with_backend(monkeypatch, name: str, fn):
 def test_charge_kernels_warp_equal_their_torch_twins(monkeypatch, nacl, grouped):
     """The Warp DSF and coordination kernels against their eager twins on the same half list, weights and charges.
 
-    ``grouped``: the list grouped by owned row, as a domain's lists come (the DSF kernel then runs a thread per row).
+    ``grouped``: the list grouped by owned row, as a domain's lists come; else as pairs, which the DSF kernel groups.
     """
-    if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_half_list", "_warp_electrostatics")) is None:
+    if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_grouped", "_warp_electrostatics")) is None:
         pytest.skip("NVIDIA Warp is not available here")
     rows = nacl.positions
     n = rows.shape[0]
@@ -276,7 +276,7 @@ def test_wired_charges_into_dsf_with_each_backend(backend, nacl):
 
 def test_erfc_sharing_the_force_exponential_matches_libm(monkeypatch):
     """The damped-Coulomb kernel's erfc (Cody's rationals times the force's exp(-x^2)) against torch's (libm's) erfc."""
-    if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_half_list", "_warp_electrostatics")) is None:
+    if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_grouped", "_warp_electrostatics")) is None:
         pytest.skip("NVIDIA Warp is not available here")
     import warp as wp
 

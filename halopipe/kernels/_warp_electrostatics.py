@@ -1,8 +1,9 @@
 """Warp sources of the charge kernels (imported only when Warp loads): damped Coulomb pairs and coordination numbers.
 
 Conventions as in :mod:`._warp_pairs`: one thread per pair ``(a, b)`` of a
-half list, or per owned row ``a`` of a list grouped by row (the damped Coulomb
-pairs), candidates beyond the cutoff skipped, pair terms added to both ends.
+half list (coordination numbers) or per row ``a`` of a list grouped by row
+(damped Coulomb), candidates beyond the cutoff skipped, pair terms added to
+both ends.
 """
 
 from __future__ import annotations
@@ -98,56 +99,14 @@ def _damped_pair(r2: wp.float64, rc: wp.float64, alpha: wp.float64, coulomb: wp.
     return wp.vec2d(pair, ((screened + gauss) * inv_r - k_slope) * inv_r)
 
 
-def _damped_coulomb(charge_gradients: bool):
-    """The damped Coulomb pair kernel, with or without ``dE/dq`` (fixed charges need none: two atomic adds a pair less)."""
-
-    @wp.kernel
-    def damped_coulomb(
-        rows: wp.array(dtype=wp.vec3d),
-        first: wp.array(dtype=wp.int32),
-        second: wp.array(dtype=wp.int32),
-        charges: wp.array(dtype=wp.float64),
-        weight: wp.array(dtype=wp.float64),
-        rc: wp.float64,
-        alpha: wp.float64,
-        coulomb: wp.float64,
-        k_shift: wp.float64,
-        k_slope: wp.float64,
-        energies: wp.array(dtype=wp.float64),
-        forces: wp.array(dtype=wp.vec3d),
-        charge_grad: wp.array(dtype=wp.float64),
-    ):
-        k = wp.tid()
-        a = first[k]
-        b = second[k]
-        d = rows[b] - rows[a]
-        r2 = wp.dot(d, d)
-        if r2 > rc * rc:  # a candidate within the skin, not the cutoff
-            return
-        terms = _damped_pair(r2, rc, alpha, coulomb, k_shift, k_slope)
-        qa = charges[a]
-        qb = charges[b]
-        half = wp.float64(0.5) * qa * qb * terms[0]
-        wp.atomic_add(energies, a, half)
-        wp.atomic_add(energies, b, half)
-        c = wp.float64(0.5) * (weight[a] + weight[b])
-        if wp.static(charge_gradients):
-            wp.atomic_add(charge_grad, a, c * qb * terms[0])
-            wp.atomic_add(charge_grad, b, c * qa * terms[0])
-        f = (c * qa * qb * terms[1]) * d
-        wp.atomic_add(forces, b, f)
-        wp.atomic_sub(forces, a, f)
-
-    return damped_coulomb
-
-
 def _damped_coulomb_rows(charge_gradients: bool):
-    """The same pairs from a list grouped by owned row: one thread per row ``a``, its own terms summed in registers.
+    """Damped Coulomb pairs of a list grouped by row: one thread per row ``a``, its own terms summed in registers.
 
     Row ``a``'s pairs are ``second[start[a] .. start[a + 1]]``; the partner
-    ends get their terms by atomic adds. Per thread, one row's position,
-    charge and weight are read once and its sums written once (the pair
-    kernel reads ``first`` and writes both ends of every pair).
+    ends get their terms by atomic adds. With or without ``dE/dq`` (fixed
+    charges need none: one atomic add a pair less). A thread per pair, which
+    reads ``first`` and writes both ends of every pair, measured 5-9 % slower
+    on the demo composite's 780,000 pairs.
     """
 
     @wp.kernel
@@ -199,8 +158,6 @@ def _damped_coulomb_rows(charge_gradients: bool):
     return damped_coulomb_rows
 
 
-damped_coulomb_half_list = _damped_coulomb(charge_gradients=True)
-damped_coulomb_half_list_fixed_charges = _damped_coulomb(charge_gradients=False)
 damped_coulomb_grouped = _damped_coulomb_rows(charge_gradients=True)
 damped_coulomb_grouped_fixed_charges = _damped_coulomb_rows(charge_gradients=False)
 

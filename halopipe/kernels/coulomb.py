@@ -64,15 +64,13 @@ def coulomb_terms(
     rows, charges = rows.detach().contiguous(), charges.detach().to(rows.dtype).contiguous()
     energies = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     forces, grad = torch.zeros_like(rows), torch.zeros_like(energies)
-    # A list grouped by owned row (a domain's lists) runs a thread per row, which sums its own terms in registers.
-    grouped = half.start is not None
-    name = ("damped_coulomb_grouped" if grouped else "damped_coulomb_half_list") + ("" if charge_grad else "_fixed_charges")
+    name = "damped_coulomb_grouped" + ("" if charge_grad else "_fixed_charges")
     kernel = warp_kernel(name, "_warp_electrostatics") if rows.dtype == torch.float64 and half.n_pairs else None
     if kernel is not None:
+        half = half.grouped(rows.shape[0])  # a thread per row (a domain's lists come grouped: no cost)
         k_shift, k_slope = pair.coulomb * pair.shift, pair.coulomb * pair.slope
-        threads, index = (half.start.numel() - 1, half.start) if grouped else (half.n_pairs, half.first)
-        inputs = [rows, index, half.second, charges, weight.contiguous(), pair.cutoff, pair.alpha, pair.coulomb, k_shift, k_slope]
-        launch(kernel, threads, rows.device, inputs, [energies, forces, grad if charge_grad else grad[:0]])
+        inputs = [rows, half.start, half.second, charges, weight.contiguous(), pair.cutoff, pair.alpha, pair.coulomb, k_shift, k_slope]
+        launch(kernel, half.start.numel() - 1, rows.device, inputs, [energies, forces, grad if charge_grad else grad[:0]])
     elif half.n_pairs:
         _torch_kernel(rows, charges, half, pair, weight, energies, forces, grad)
     return energies, forces, grad if charge_grad else None
