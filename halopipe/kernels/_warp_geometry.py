@@ -30,6 +30,12 @@ def _excess(x: wp.float64, lo: wp.float64, hi: wp.float64, height: wp.float64):
 
 
 @wp.func
+def _brick_of_rank(rank: wp.int32, grid: wp.vec3i):
+    """The brick index of ``rank`` (``Partition.brick_index_of_rank``: the last axis fastest)."""
+    return wp.vec3i(rank / (grid[1] * grid[2]), (rank / grid[2]) % grid[1], rank % grid[2])
+
+
+@wp.func
 def _deeper_than(
     x: wp.vec3d,
     rank: wp.int32,
@@ -47,12 +53,10 @@ def _deeper_than(
     lattice image lies at least that depth away along some axis. The margin
     keeps rounding from ever skipping an atom that has an image.
     """
-    b0 = rank / (grid[1] * grid[2])
-    b1 = (rank / grid[2]) % grid[1]
-    b2 = rank % grid[2]
-    d0 = wp.min(x[0] - bounds0[b0], bounds0[b0 + 1] - x[0]) * heights[0]
-    d1 = wp.min(x[1] - bounds1[b1], bounds1[b1 + 1] - x[1]) * heights[1]
-    d2 = wp.min(x[2] - bounds2[b2], bounds2[b2 + 1] - x[2]) * heights[2]
+    b = _brick_of_rank(rank, grid)
+    d0 = wp.min(x[0] - bounds0[b[0]], bounds0[b[0] + 1] - x[0]) * heights[0]
+    d1 = wp.min(x[1] - bounds1[b[1]], bounds1[b[1] + 1] - x[1]) * heights[1]
+    d2 = wp.min(x[2] - bounds2[b[2]], bounds2[b[2] + 1] - x[2]) * heights[2]
     return wp.min(wp.min(d0, d1), d2) > width * wp.float64(1.0 + 1e-9) + wp.float64(1e-9)
 
 
@@ -218,11 +222,9 @@ def place_rows(
     wrapped[i] = w
     image[i] = wp.vec3i(wp.int32(m[0]), wp.int32(m[1]), wp.int32(m[2]))
     owner[i] = (_brick_along(w[0], bounds0) * grid[1] + _brick_along(w[1], bounds1)) * grid[2] + _brick_along(w[2], bounds2)
-    b0 = rank / (grid[1] * grid[2])
-    b1 = (rank / grid[2]) % grid[1]
-    b2 = rank % grid[2]
-    n0 = _nearest_along(w[0], bounds0[b0], bounds0[b0 + 1], heights[0], periodic[0])
-    n1 = _nearest_along(w[1], bounds1[b1], bounds1[b1 + 1], heights[1], periodic[1])
-    n2 = _nearest_along(w[2], bounds2[b2], bounds2[b2 + 1], heights[2], periodic[2])
+    b = _brick_of_rank(rank, grid)
+    n0 = _nearest_along(w[0], bounds0[b[0]], bounds0[b[0] + 1], heights[0], periodic[0])
+    n1 = _nearest_along(w[1], bounds1[b[1]], bounds1[b[1] + 1], heights[1], periodic[1])
+    n2 = _nearest_along(w[2], bounds2[b[2]], bounds2[b[2] + 1], heights[2], periodic[2])
     home[i] = wp.vec3i(wp.int32(n0[0]), wp.int32(n1[0]), wp.int32(n2[0]))
     outside[i] = wp.max(wp.max(wp.max(wp.float64(0.0), n0[1]), n1[1]), n2[1])
