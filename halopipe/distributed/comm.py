@@ -153,12 +153,13 @@ class Comm:
         """Reduction over ranks (not differentiable); returns a new tensor."""
         if not self.distributed:
             return x.clone()
+        self.collectives += 1
+        self.reduce_bytes += x.numel() * x.element_size()
+        if self._through_shm(x.dtype, x.shape):
+            z = x.detach().to(self.device).contiguous()  # no copy of a CPU tensor: the reduction copies it into its slot
+            return self._run_shm(lambda wait: self._shm.all_reduce(z, op, wait)).to(x.device)
         y = x.detach().to(self.device, copy=True).contiguous()
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        self.collectives += 1
-        self.reduce_bytes += y.numel() * y.element_size()
-        if self._through_shm(y.dtype, y.shape):
-            return self._run_shm(lambda wait: self._shm.all_reduce(y, op, wait)).to(x.device)
         self._run(lambda: [dist.all_reduce(y, op=ops[op], group=self.group, async_op=True)])
         return y.to(x.device)
 

@@ -113,6 +113,7 @@ class SharedMemory:
                     self._headers[src, dst] = np.frombuffer(mapping, dtype=np.int64, count=2 * LINE // 8, offset=base)
                     self._boxes[src, dst] = raw[base + 2 * LINE : base + 2 * LINE + capacity]
                     base += 2 * LINE + capacity
+        self._typed: dict[tuple, torch.Tensor] = {}  # buffers viewed as a dtype, made once (see _as)
         self._reductions = 0
         self.watch_peers = True  # whether dead_peer can tell (see create)
         self.spin_seconds = SPIN_SECONDS if size <= (os.cpu_count() or 1) else 0.0
@@ -155,34 +156,40 @@ class SharedMemory:
     def fits(self, nbytes: int) -> bool:
         return nbytes <= self.capacity
 
+    def _as(self, key: tuple, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``buffer`` (a slot or a mailbox, ``key`` names it) as a flat ``dtype`` tensor, viewed once.
+
+        Why: a step makes a handful of these operations, and each spent
+        about as long slicing and re-viewing raw bytes as copying its payload.
+        """
+        typed = self._typed.get((key, dtype))
+        if typed is None:
+            typed = self._typed[key, dtype] = buffer.view(dtype)  # capacities are whole lines: every itemsize divides them
+        return typed
+
     def all_reduce(self, x: torch.Tensor, op: str, wait) -> torch.Tensor:
         """The reduction of the contiguous CPU tensor ``x`` over the ranks, summed in rank order (caller checks :meth:`fits`)."""
         seq = self._reductions + 1
-        control, me = self._control, self.rank
+        control, me, n = self._control, self.rank, x.numel()
         wait(lambda: all(line[_DONE] >= seq - 1 for line in control))  # nobody still reads my slot
-        flat = x.reshape(-1)
-        self._slots[me][: flat.numel() * flat.element_size()].view(x.dtype).copy_(flat)
+        self._as(("slot", me), self._slots[me], x.dtype)[:n].copy_(x.reshape(-1))
         control[me][_POSTED] = seq
         wait(lambda: all(line[_POSTED] >= seq for line in control))
-        nbytes = flat.numel() * flat.element_size()
-        parts = [slot[:nbytes].view(x.dtype) for slot in self._slots]
-        out = parts[0].clone()
-        for part in parts[1:]:
-            if op == "sum":
-                out += part
-            elif op == "max":
-                torch.maximum(out, part, out=out)
-            else:
-                torch.minimum(out, part, out=out)
+        parts = [self._as(("slot", r), slot, x.dtype)[:n] for r, slot in enumerate(self._slots)]
+        combine = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+        out = combine(parts[0], parts[1])  # a new tensor; the size is at least 2 (one rank needs no shared memory)
+        for part in parts[2:]:
+            combine(out, part, out=out)
         control[me][_DONE] = seq
         self._reductions = seq
-        return out.reshape(x.shape)
+        return out if x.dim() == 1 else out.view(x.shape)
 
     def send(self, dst: int, x: torch.Tensor, wait) -> None:
         """Write the CPU tensor ``x`` (any strides) to ``dst``'s mailbox from this rank (caller checks :meth:`fits`)."""
         header = self._headers[self.rank, dst]
         wait(lambda: header[_TAKEN] == header[_SENT])  # the previous message was taken
-        self._boxes[self.rank, dst][: x.numel() * x.element_size()].view(x.dtype).view(x.shape).copy_(x)
+        box = self._as((self.rank, dst), self._boxes[self.rank, dst], x.dtype)
+        box[: x.numel()].view(x.shape).copy_(x)
         header[_SENT] += 1
 
     def receive(self, src: int, shape: tuple, dtype: torch.dtype, wait) -> torch.Tensor:
@@ -195,7 +202,8 @@ class SharedMemory:
         """Copy the next message from ``src`` into the CPU tensor ``out`` (any strides; its shape and dtype are the message's)."""
         header = self._headers[src, self.rank]
         wait(lambda: header[_SENT] > header[_TAKEN])
-        out.copy_(self._boxes[src, self.rank][: out.numel() * out.element_size()].view(out.dtype).view(out.shape))
+        box = self._as((src, self.rank), self._boxes[src, self.rank], out.dtype)
+        out.copy_(box[: out.numel()].view(out.shape))
         header[_TAKEN] += 1
 
     def dead_peer(self) -> int | None:
