@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from halopipe import neighbors
 from halopipe.neighbors import VerletList, neighbor_list, owned_pairs, owned_pairs_cell_list
 
 
@@ -123,7 +124,6 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
 @pytest.mark.parametrize("search", ["one_pass", "a_row_overflows_its_slots", "two_passes"])
 def test_every_path_of_the_warp_search_gives_the_pairs_grouped_by_owned_row(search, monkeypatch):
     """One pass into per-row slots, the fallback when a row has more partners than slots, and two passes: against cdist."""
-    from halopipe import neighbors
 
     if search == "a_row_overflows_its_slots":
         monkeypatch.setattr(neighbors, "_slot_capacity", lambda *args: 3)
@@ -148,15 +148,21 @@ def _view_rows(domain, width: float) -> torch.Tensor:
     return torch.cat([pos + domain.owned_shift.to(pos.dtype) @ cell, ghosts])
 
 
-@pytest.mark.parametrize("kernels", ["warp", "torch"])
+@pytest.mark.parametrize("kernels", ["warp", "warp_two_passes", "torch"])
 def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
-    """A list filtered from a wider one (more ghosts, longer cutoff) holds exactly the pairs of a direct search at the narrower one."""
+    """A list filtered from a wider one (more ghosts, longer cutoff) holds exactly the pairs of a direct search at the narrower one.
+
+    Warp filters in one pass into the wider list's layout, or in two passes
+    where that layout would not fit (``warp_two_passes``: no room at all).
+    """
     from halopipe import System
     from halopipe.domain import LocalDomain
     from halopipe.kernels import backend, pairs
     from halopipe.neighbors import grouped_owned_half_pairs, narrower_half_pairs
 
-    monkeypatch.setenv("HALOPIPE_KERNELS", kernels)
+    if kernels == "warp_two_passes":
+        monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes"))
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()
     cell = np.array([[9.0, 0.0, 0.0], [2.3, 8.1, 0.0], [-1.4, 1.9, 7.6]])  # irregular triclinic, shorter than the cutoffs
@@ -240,7 +246,6 @@ def test_a_views_grouped_list_is_made_into_int64_pairs_only_when_a_model_reads_t
 @pytest.mark.parametrize("slices", [1, 3, 8])
 def test_the_search_finds_every_pair_whatever_the_x_slices_of_its_cells(slices, monkeypatch):
     """Cells of 1, 3 or 8 x slices per cutoff (the scan trimmed slice by slice): a lattice with ties at the cutoff, against cdist."""
-    from halopipe import neighbors
 
     monkeypatch.setattr(neighbors, "X_SLICES_PER_CUTOFF", slices)
     rng = np.random.default_rng(13)
@@ -265,7 +270,7 @@ def _canonical_pairs(view, pairs: torch.Tensor, positions: np.ndarray, cell: np.
 
 
 @pytest.mark.parametrize("half_first", [False, True], ids=["searched", "filtered"])
-@pytest.mark.parametrize("kernels", ["warp", "torch"])
+@pytest.mark.parametrize("kernels", ["warp", "warp_two_passes", "torch"])
 def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first, monkeypatch):
     """Over a batch's systems and their periodic images, each pair within the list's reach is in exactly one one-holder list.
 
@@ -275,13 +280,16 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first,
     two cutoffs, the narrower list made from the wider one-holder list. The
     wider list is searched with the rule in the search, or (``half_first``:
     the view's whole half list read first) filtered from the half list.
+    Warp's searches and filters run in one pass, or in two (``warp_two_passes``).
     """
     from halopipe import Batch, LennardJones, System
     from halopipe.batch import BatchDomain
     from halopipe.kernels import backend, pairs
     from halopipe.pipeline import Step, build_view
 
-    monkeypatch.setenv("HALOPIPE_KERNELS", kernels)
+    if kernels == "warp_two_passes":
+        monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes"))
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()
     rng = np.random.default_rng(8)

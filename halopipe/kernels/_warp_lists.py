@@ -7,10 +7,14 @@ prefix sum of the counts (:data:`compact_slots`); when a row's pairs outnumber
 its slots, or the slots would not fit in memory, it runs in two passes
 instead: one counts each row's pairs (``COUNT``), a prefix sum turns the
 counts into offsets, the other writes the pairs from the row's offset
-(``FILL``). The filters (a narrower list, the one-holder list) always take
-two passes, in two kernels of the same shape: one kernel with the test as a
-``wp.func`` argument measured 25 % slower on the one-holder list (its row's
-key no longer hoisted out of the loop). The writing passes are branch-free in
+(``FILL``). The filters (a narrower list, the one-holder list) keep a
+subset of each row's pairs of a list already made, so they write in one pass
+into that list's own layout (``SLOTS``: a row's kept pairs never outnumber its
+pairs there) and :data:`compact_runs` packs them; two passes only where that
+layout would not fit in memory. Each filter's test is compiled into its own
+kernels: one kernel with the test as a ``wp.func`` argument measured 25 %
+slower on the one-holder list (its row's key no longer hoisted out of the
+loop). The writing passes are branch-free in
 their inner loop: every candidate is written at the row's next free slot and
 kept by advancing past it (while the row's slots last), which measured twice
 as fast as writing under a data-dependent branch on the CPU.
@@ -187,13 +191,29 @@ def compact_slots(
         partners[out + k] = order[slots[base + k]]
 
 
-def _half_list_filter(write: bool):
+@wp.kernel
+def compact_runs(
+    slots: wp.array(dtype=wp.int32),
+    slot_start: wp.array(dtype=wp.int32),
+    start: wp.array(dtype=wp.int32),
+    partners: wp.array(dtype=wp.int32),
+):
+    """Row ``i``'s kept partners, written by a filter from ``slots[slot_start[i]]`` on, to ``start[i] .. start[i + 1]``."""
+    i = wp.tid()
+    base = slot_start[i]
+    out = start[i]
+    for k in range(start[i + 1] - out):
+        partners[out + k] = slots[base + k]
+
+
+def _half_list_filter(mode: int):
     """The narrower-list filter: one thread per owned row ``a`` over its pairs ``start[a] .. start[a + 1]`` of a wider list.
 
     A pair is kept when its partner is among the narrower view's ``n_rows``
     rows (a prefix of the wider view's) and within the narrower reach. The
-    counting variant (``write`` False) stores per-row counts; the writing one
-    stores the kept partners from ``offsets[a]``, in the wider list's order.
+    ``COUNT`` variant stores per-row counts; ``FILL`` stores the kept partners
+    from ``offsets[a]``, in the wider list's order; ``SLOTS`` stores them from
+    ``start[a]`` (the row's own range of the wider list) and the counts.
     """
 
     @wp.kernel
@@ -211,34 +231,41 @@ def _half_list_filter(write: bool):
         centre = rows[a]
         n = wp.int32(0)
         end = wp.int32(0)
-        if wp.static(write):
+        if wp.static(mode == FILL):
             n = offsets[a]
             end = offsets[a + 1]
+        elif wp.static(mode == SLOTS):
+            n = start[a]
         for k in range(start[a], start[a + 1]):
             b = partner[k]
             d = rows[wp.min(b, n_rows - 1)] - centre  # a row beyond the view reads a stand-in
             keep = b < n_rows and wp.dot(d, d) <= rc2
-            if wp.static(write):
+            if wp.static(mode == FILL):
                 if n < end:
                     kept[n] = b
+            elif wp.static(mode == SLOTS):
+                kept[n] = b
             n += wp.where(keep, 1, 0)
-        if not wp.static(write):
+        if wp.static(mode == COUNT):
             counts[a] = n
+        elif wp.static(mode == SLOTS):
+            counts[a] = n - start[a]
 
     return filter_rows
 
 
-half_list_count = _half_list_filter(write=False)
-half_list_fill = _half_list_filter(write=True)
+half_list_count = _half_list_filter(COUNT)
+half_list_fill = _half_list_filter(FILL)
+half_list_slots = _half_list_filter(SLOTS)
 
 
-def _one_holder_filter(write: bool):
+def _one_holder_filter(mode: int):
     """The one-holder filter: one thread per owned row ``a`` over its pairs ``start[a] .. start[a + 1]`` of a half list.
 
     Keeps an owned-owned pair, and a pair with a ghost ``b`` by
     :func:`_holder_keeps` (see :func:`halopipe.neighbors.one_holder_pairs`),
-    reading keys for ghost partners only. Counting and writing variants as
-    :func:`_half_list_filter`.
+    reading keys for ghost partners only. ``COUNT``, ``FILL`` and ``SLOTS``
+    variants as :func:`_half_list_filter`.
     """
 
     @wp.kernel
@@ -255,23 +282,30 @@ def _one_holder_filter(write: bool):
         key_a = key[a]
         n = wp.int32(0)
         end = wp.int32(0)
-        if wp.static(write):
+        if wp.static(mode == FILL):
             n = offsets[a]
             end = offsets[a + 1]
+        elif wp.static(mode == SLOTS):
+            n = start[a]
         for k in range(start[a], start[a + 1]):
             b = partner[k]
             keep = True
             if b >= n_owned:
                 keep = _holder_keeps(key_a, key[b])
-            if wp.static(write):
+            if wp.static(mode == FILL):
                 if n < end:
                     kept[n] = b
+            elif wp.static(mode == SLOTS):
+                kept[n] = b
             n += wp.where(keep, 1, 0)
-        if not wp.static(write):
+        if wp.static(mode == COUNT):
             counts[a] = n
+        elif wp.static(mode == SLOTS):
+            counts[a] = n - start[a]
 
     return filter_holders
 
 
-one_holder_count = _one_holder_filter(write=False)
-one_holder_fill = _one_holder_filter(write=True)
+one_holder_count = _one_holder_filter(COUNT)
+one_holder_fill = _one_holder_filter(FILL)
+one_holder_slots = _one_holder_filter(SLOTS)
