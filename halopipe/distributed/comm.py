@@ -102,6 +102,7 @@ class Comm:
         self._report_rank, self._report_size = self.rank, self.size  # failure reports use the whole group's ranks
         self._tag = 0
         self._activity = "communication"
+        self.failure_label = ""  # names what this rank is doing (an MD step) at the head of its failure reports
         self._shm: SharedMemory | None = None
         self.device = torch.device("cpu")
         if self.distributed:
@@ -390,6 +391,8 @@ class Comm:
         waits until every other rank has seen it or failed itself (at most the
         timeout); ranks waiting in a communication see the report within
         ``POLL_SECONDS`` and raise it as their own :class:`DistributedError`.
+        The message starts with :attr:`failure_label` (``"MD step 12: "``), so
+        a rank that sees the report a step later still names the step.
         """
         self._activity = what
         try:
@@ -402,7 +405,7 @@ class Comm:
             reported = self._reported_failure()  # a peer's failure that reached us wrapped (e.g. by autograd)
             if reported is not None:
                 raise reported from exc
-            message = f"rank {self._report_rank} failed during {what}: {type(exc).__name__}: {exc}"
+            message = f"{self.failure_label}rank {self._report_rank} failed during {what}: {type(exc).__name__}: {exc}"
             self._report(message)
             raise DistributedError(message, rank=self._report_rank) from exc
         finally:

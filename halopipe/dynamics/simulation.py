@@ -15,6 +15,7 @@ atomic), so a crash mid-write leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -332,16 +333,26 @@ class Simulation:
             r.finish(self)
         return self
 
+    @contextlib.contextmanager
+    def _naming_step(self, n: int):
+        """Errors raised while computing step ``n`` name it, also on ranks that see another rank's failure a step later."""
+        comm = self.sharded.comm
+        comm.failure_label = f"MD step {n}: "  # heads this rank's failure report (see Comm.guard)
+        try:
+            yield
+        except Exception as exc:
+            _prefix_step(exc, n)
+            raise
+        finally:
+            comm.failure_label = ""
+
     def _step(self, n: int) -> None:
         """Step ``n``: integrate, then report and checkpoint as asked."""
         md = self.md
         md.want_stress = self._wants_stress(n)
         md.want_energy = self._wants_energy(n)
-        try:
+        with self._naming_step(n):
             self.integrator.step(md)
-        except Exception as exc:
-            _prefix_step(exc, n)
-            raise
         md.step, md.time = n, md.time + self.integrator.timestep
         self.timing.tick(n)
         self._report(n)
@@ -351,11 +362,8 @@ class Simulation:
     def _start(self) -> None:
         md = self.md
         md.want_stress = self._wants_stress(md.step) and not self.restarted
-        try:
+        with self._naming_step(md.step):
             md.compute()
-        except Exception as exc:
-            _prefix_step(exc, md.step)
-            raise
         self.integrator.setup(md, self.restarted)
         for r in self.reporters:
             r.start(self)

@@ -37,6 +37,25 @@ class InfiniteSlope(Model):
         return ModelOutput(energies=torch.sqrt((x - x.detach()).abs()))
 
 
+class InfiniteSlopeOnAtom(Model):
+    """Energy 0.01 x, plus sqrt(|x - x0|) (zero, with an infinite slope) on one atom from the ``from_call``-th evaluation on."""
+
+    cutoff = 3.0
+
+    def __init__(self, atom: int = 5, from_call: int = 1) -> None:
+        super().__init__()
+        self.atom, self.from_call, self.calls = atom, from_call, 0
+
+    def forward(self, view, direct=False):
+        self.calls += 1
+        x = view.positions[: view.n_owned, 0]
+        energies = 0.01 * x
+        if self.calls < self.from_call:
+            return ModelOutput(energies=energies)
+        bad = torch.nonzero(view.ids[: view.n_owned] == self.atom)[:, 0]
+        return ModelOutput(energies=energies.index_add(0, bad, torch.sqrt((x[bad] - x[bad].detach()).abs())))
+
+
 def test_non_finite_energy_names_the_model():
     system = triclinic_nacl()
     with pytest.raises(NonFiniteError, match=r"^NanOnAtom returned a non-finite energy \(nan\)") as info:
@@ -91,3 +110,52 @@ def test_non_finite_energy_on_one_rank_fails_every_rank_naming_the_model():
     assert sorted(m.split(":")[0] for m in messages) == ["False", "True"]  # one rank owns the atom, the other does not
     for m in messages:
         assert "NanOnAtom returned a non-finite energy (nan)" in m, messages
+
+
+def _distributed_infinite_forces() -> str:
+    """Forces only (no energy, no stress): the rank with the infinite force fails, the other at its next communication."""
+    config = DomainConfig(timeout=10)
+    system = triclinic_nacl((3, 3, 3))
+    sharded = ShardedSystem.scatter(system if torch.distributed.get_rank() == 0 else None, config)
+    owns_bad = bool((sharded.ids == 5).any())
+    try:
+        Pipeline([LennardJones(cutoff=4.0), InfiniteSlopeOnAtom(5)], config=config)(sharded, energy=False)
+        sharded.all_reduce(torch.ones(1, dtype=torch.float64))  # the next communication, as the next MD step's
+    except (NonFiniteError, DistributedError) as exc:
+        return f"{owns_bad}: {exc}"
+    return f"{owns_bad}: no error"
+
+
+@pytest.mark.timeout(120)
+def test_non_finite_forces_without_energy_fail_every_rank_naming_the_model_and_rank():
+    """No reduction agrees on the forces, yet every rank ends with the failing rank's message, not a timeout."""
+    messages = spawn(_distributed_infinite_forces, 2, timeout=100)
+    assert sorted(m.split(":")[0] for m in messages) == ["False", "True"], messages
+    failing = next(i for i, m in enumerate(messages) if m.startswith("True"))
+    cause = f"rank {failing} failed during pipeline evaluation: NonFiniteError: non-finite forces or virial from InfiniteSlopeOnAtom"
+    for m in messages:
+        assert cause in m, messages
+
+
+def _md_infinite_forces() -> str:
+    """An MD run whose forces become infinite on one rank at step 2 (the model's third evaluation), a forces-only step."""
+    from halopipe.dynamics import Simulation, VelocityVerlet
+
+    config = DomainConfig(timeout=10)
+    pipeline = Pipeline([LennardJones(cutoff=4.0), InfiniteSlopeOnAtom(5, from_call=3)], config=config)
+    system = triclinic_nacl((3, 3, 3))
+    sim = Simulation(pipeline, system if torch.distributed.get_rank() == 0 else None, VelocityVerlet(1.0))
+    try:
+        sim.run(5)
+    except (NonFiniteError, DistributedError) as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_infinite_forces_in_md_name_the_step_on_every_rank():
+    """The rank that did not fail sees the failure in the next step's rebuild check, yet names the step where it arose."""
+    messages = spawn(_md_infinite_forces, 2, timeout=100)
+    for m in messages:
+        assert m.startswith("MD step 2: rank "), messages
+        assert "non-finite forces or virial from InfiniteSlopeOnAtom" in m, messages
