@@ -654,10 +654,10 @@ def evaluate(
         produced.update(p)
         broken.append((~torch.isfinite(f.sum() + w.sum())).to(dtype))  # a NaN or inf anywhere makes the sum non-finite
     if not energy and not stress:
-        # Forces only (the MD steps between reports): nothing to add up across ranks, so no reduction (on two ranks of
-        # Lennard-Jones 32k, one fewer synchronisation saved ~0.3 ms a step). A rank whose forces or virial are not
-        # finite raises here; the guard around the evaluation reports it, and the other ranks raise it at their next
-        # communication (the next step's rebuild check), as for any failure on one rank.
+        # Forces only (the MD steps between reports): nothing to add up across ranks, so no reduction, one
+        # synchronisation a step fewer. A rank whose forces or virial are not finite raises here; the guard around
+        # the evaluation reports it, and the other ranks raise it at their next communication (the next step's
+        # rebuild check), as for any failure on one rank.
         _raise_if_not_finite(pipeline, None, torch.stack(broken), domain)
         return {"forces": forces, "fields": produced} | {gradient_key(name): gradients[name] for name in field_gradients}
     # One reduction for energies, flags and the virial: every rank sees the same values and raises the same error.
