@@ -222,7 +222,7 @@ def _with_backend(monkeypatch, name: str, fn):
 def test_charge_kernels_warp_equal_their_torch_twins(monkeypatch, nacl, grouped):
     """The Warp DSF and coordination kernels against their eager twins on the same half list, weights and charges.
 
-    ``grouped``: the list grouped by owned row, as a domain's lists come; else as pairs, which the DSF kernel groups.
+    ``grouped``: the list grouped by owned row, as a domain's lists come; else as pairs, which the kernels group first.
     """
     if _with_backend(monkeypatch, "warp", lambda: pair_kernels.warp_kernel("damped_coulomb_grouped", "_warp_electrostatics")) is None:
         pytest.skip("NVIDIA Warp is not available here")

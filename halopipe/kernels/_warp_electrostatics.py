@@ -1,9 +1,8 @@
 """Warp sources of the charge kernels (imported only when Warp loads): damped Coulomb pairs and coordination numbers.
 
-Conventions as in :mod:`._warp_pairs`: one thread per pair ``(a, b)`` of a
-half list (coordination numbers) or per row ``a`` of a list grouped by row
-(damped Coulomb), candidates beyond the cutoff skipped, pair terms added to
-both ends.
+Conventions as in :mod:`._warp_pairs`: one thread per row ``a`` of a list
+grouped by row, its own terms summed in registers, candidates beyond the
+cutoff skipped, pair terms added to both ends.
 """
 
 from __future__ import annotations
@@ -163,44 +162,60 @@ damped_coulomb_grouped_fixed_charges = _damped_coulomb_rows(charge_gradients=Fal
 
 
 @wp.kernel
-def cosine_coordination_half_list(
+def cosine_coordination_rows(
     rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
+    start: wp.array(dtype=wp.int32),
     second: wp.array(dtype=wp.int32),
     rc: wp.float64,
     cn: wp.array(dtype=wp.float64),
 ):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc * rc:
-        return
-    count = wp.float64(0.5) * (wp.float64(1.0) + wp.cos(wp.float64(3.141592653589793) * wp.sqrt(r2) / rc))
-    wp.atomic_add(cn, a, count)
-    wp.atomic_add(cn, b, count)
+    """Cosine-cutoff counts of a half list grouped by row: one thread per row ``a``, its own count summed in registers.
+
+    As the damped Coulomb kernel: a thread per pair (reading ``first`` and
+    adding to both ends) measured 2.2 against 2.0 ms a step on the demo
+    composite's 102,000 pairs at 5 Å (one rank), its backward 2.6 against
+    2.6 ms. Most of the time is the cosine (or sine) of the half of the
+    candidates within the cutoff, about 40 ns each here.
+    """
+    a = wp.tid()
+    ra = rows[a]
+    rc2 = rc * rc
+    ca = wp.float64(0.0)
+    for k in range(start[a], start[a + 1]):
+        b = second[k]
+        d = rows[b] - ra
+        r2 = wp.dot(d, d)
+        if r2 <= rc2:  # else a candidate within the skin (about half of them at 4 Å): the cosine is worth a branch
+            count = wp.float64(0.5) * (wp.float64(1.0) + wp.cos(wp.float64(3.141592653589793) * wp.sqrt(r2) / rc))
+            ca += count
+            wp.atomic_add(cn, b, count)
+    wp.atomic_add(cn, a, ca)
 
 
 @wp.kernel
-def cosine_coordination_backward_half_list(
+def cosine_coordination_backward_rows(
     rows: wp.array(dtype=wp.vec3d),
-    first: wp.array(dtype=wp.int32),
+    start: wp.array(dtype=wp.int32),
     second: wp.array(dtype=wp.int32),
     rc: wp.float64,
     cn_grad: wp.array(dtype=wp.float64),
     rows_grad: wp.array(dtype=wp.vec3d),
 ):
-    k = wp.tid()
-    a = first[k]
-    b = second[k]
-    d = rows[b] - rows[a]
-    r2 = wp.dot(d, d)
-    if r2 > rc * rc:
-        return
-    r = wp.sqrt(r2)
+    """The gradient of ``sum_a cn_grad_a CN_a`` to the rows, one thread per row as :data:`cosine_coordination_rows`."""
+    a = wp.tid()
+    ra = rows[a]
+    ga = cn_grad[a]
+    rc2 = rc * rc
     w = wp.float64(3.141592653589793) / rc
-    # d count / d r = -(pi / 2 r_c) sin(pi r / r_c); d r / d r_b = d / r.
-    g = ((cn_grad[a] + cn_grad[b]) * wp.float64(-0.5) * w * wp.sin(w * r) / r) * d
-    wp.atomic_add(rows_grad, b, g)
-    wp.atomic_sub(rows_grad, a, g)
+    fa = wp.vec3d()
+    for k in range(start[a], start[a + 1]):
+        b = second[k]
+        d = rows[b] - ra
+        r2 = wp.dot(d, d)
+        if r2 <= rc2:
+            r = wp.sqrt(r2)
+            # d count / d r = -(pi / 2 r_c) sin(pi r / r_c); d r / d r_b = d / r.
+            g = ((ga + cn_grad[b]) * wp.float64(-0.5) * w * wp.sin(w * r) / r) * d
+            wp.atomic_add(rows_grad, b, g)
+            fa -= g
+    wp.atomic_add(rows_grad, a, fa)

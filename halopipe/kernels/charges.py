@@ -38,13 +38,14 @@ def coordination_numbers(rows: torch.Tensor, half: HalfList, cutoff: float) -> t
     cn = torch.zeros(rows.shape[0], dtype=rows.dtype, device=rows.device)
     if half.n_pairs == 0:
         return cn
-    kernel = _kernel("cosine_coordination_half_list", rows.dtype)
+    kernel = _kernel("cosine_coordination_rows", rows.dtype)
     if kernel is None:
         _, r, inside = _distances(rows, half, cutoff)
         count = torch.where(inside, 0.5 * (1.0 + torch.cos(math.pi * r / cutoff)), torch.zeros_like(r))
         cn.index_add_(0, half.first.long(), count).index_add_(0, half.second.long(), count)
         return cn
-    launch(kernel, half.n_pairs, rows.device, [rows, half.first, half.second, cutoff], [cn])
+    half = half.grouped(rows.shape[0])  # a thread per row (a domain's lists come grouped: no cost)
+    launch(kernel, half.start.numel() - 1, rows.device, [rows, half.start, half.second, cutoff], [cn])
     return cn
 
 
@@ -54,7 +55,7 @@ def coordination_gradient(rows: torch.Tensor, half: HalfList, cutoff: float, cn_
     grad = torch.zeros_like(rows)
     if half.n_pairs == 0:
         return grad
-    kernel = _kernel("cosine_coordination_backward_half_list", rows.dtype)
+    kernel = _kernel("cosine_coordination_backward_rows", rows.dtype)
     if kernel is None:
         d, r, inside = _distances(rows, half, cutoff)
         a, b = half.first.long(), half.second.long()
@@ -62,7 +63,8 @@ def coordination_gradient(rows: torch.Tensor, half: HalfList, cutoff: float, cn_
         g = torch.where(inside, (cn_grad[a] + cn_grad[b]) * -0.5 * w * torch.sin(w * r) / r, torch.zeros_like(r))[:, None] * d
         grad.index_add_(0, b, g).index_add_(0, a, -g)
         return grad
-    launch(kernel, half.n_pairs, rows.device, [rows, half.first, half.second, cutoff, cn_grad.contiguous()], [grad])
+    half = half.grouped(rows.shape[0])
+    launch(kernel, half.start.numel() - 1, rows.device, [rows, half.start, half.second, cutoff, cn_grad.contiguous()], [grad])
     return grad
 
 
