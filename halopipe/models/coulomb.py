@@ -79,5 +79,5 @@ class DSFCoulomb(Model):
         # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.
         centre = view.positions[:n].mean(dim=0) if n else view.positions.new_zeros(3)
         virial = virial_from_forces(view.positions - centre, forces)
-        forces, energies = fold_ghost_shares(view, forces, energies)
-        return ModelOutput(energies=energies + self_energies, forces=forces, virial=virial)
+        forces, energies = fold_ghost_shares(view, forces, energies if view.need_energy else None)
+        return ModelOutput(energies=None if energies is None else energies + self_energies, forces=forces, virial=virial)

@@ -69,6 +69,7 @@ def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_mod
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
     out = pipeline(sharded, stress=stress)
     forces = sharded.gather(out["forces"])
+    forces_only = sharded.gather(pipeline(sharded, energy=False)["forces"])  # an MD step between reports
     charges = sharded.gather(out["fields"]["charges"])
     ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
     if rank() != 0:
@@ -82,6 +83,7 @@ def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_mod
             for k in ref["model_energies"]
         ),
         "force": float((forces - ref["forces"]).abs().max()),
+        "forces_only_equal": bool(torch.equal(forces_only, forces)),
         "charges": float((charges - ref["fields"]["charges"]).abs().max()),
         "owned_once": bool((ids == 1).all()),
         "halo": out["halo"],
