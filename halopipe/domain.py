@@ -352,12 +352,10 @@ class Domain:
         """
         raise NotImplementedError
 
-    def fold_ghosts(self, x_ghost: torch.Tensor, width: float, into: torch.Tensor | None = None) -> torch.Tensor:  # pragma: no cover
+    def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:  # pragma: no cover - interface
         """Each ghost row's value (of the ghost rows within ``width``) added to its owner's row.
 
-        Differentiable: the adjoint of :meth:`ghost_rows`. ``into``: owned rows
-        to add them to in place and return, outside autograd (no array of its
-        own: a direct model's forces).
+        Differentiable: the adjoint of :meth:`ghost_rows`.
         """
         raise NotImplementedError
 
@@ -502,9 +500,7 @@ class LocalDomain(Domain):
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:
         return _IndexGather.apply(x, self.ghost_atom[: self.ghost_count(width)])  # a local gather: nothing to save
 
-    def fold_ghosts(self, x_ghost: torch.Tensor, width: float, into: torch.Tensor | None = None) -> torch.Tensor:
-        if into is not None:
-            return into.index_add_(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)
+    def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         out = x_ghost.new_zeros((self.n_owned,) + x_ghost.shape[1:])
         return out.index_add(0, self.ghost_atom[: x_ghost.shape[0]], x_ghost)  # differentiable: its backward gathers
 

@@ -571,7 +571,6 @@ def build_view(
         system=domain.row_systems(n_ghost) if domain.system is not None else None,
         system_sizes=domain.system_sizes,
         fold=lambda x_ghost: domain.fold_ghosts(x_ghost, width),
-        fold_into=lambda x_ghost, owned: domain.fold_ghosts(x_ghost, width, into=owned),
         one_holder=(lambda: domain.candidate_pairs(detached, n_ghost, cutoff, "one_holder")) if half else None,
     )
 

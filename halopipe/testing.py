@@ -263,7 +263,6 @@ def _collectives(model, view: LocalView, direct: bool) -> tuple[list[str], objec
         refresh=_recorded(view.refresh, "refresh", log, per_row=True),
         global_sum=_recorded(view.global_sum, "global_sum", log, per_row=False),
         fold=_recorded(view.fold, "fold", log, per_row=True),
-        fold_into=None,  # so a model's fold goes through the recorded one
     )
     if direct:
         with torch.no_grad():
@@ -307,7 +306,6 @@ def _empty_views(model, system: System) -> tuple[LocalView, list[LocalView]]:
                 refresh=refresh,
                 global_sum=lambda x: x,
                 fold=lambda x: x[:0],  # no owned rows to fold into, but a graph as a rank's fold has
-                fold_into=None,
                 one_holder=None if full.one_holder is None else (lambda: GroupedPairs.empty(0, full.positions.device)),
                 ids=full.ids[:rows],
             )

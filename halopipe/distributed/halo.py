@@ -118,13 +118,13 @@ class HaloPlan:
                 out.index_copy_(0, self.recv_slot[s][:k], got[s])
         return out
 
-    def backward_rows(self, g: torch.Tensor, n_owned: int, limit: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Adjoint of :meth:`forward_rows`: ghost-row values summed into owners (into ``out``'s ``n_owned`` rows, if given)."""
+    def backward_rows(self, g: torch.Tensor, n_owned: int, limit: float) -> torch.Tensor:
+        """Adjoint of :meth:`forward_rows`: ghost-row values summed into owners."""
         send, recv, _ = self.counts(limit)
         sends = {s: g.index_select(0, self.recv_slot[s][:k]) for s, k in recv.items()}
         shapes = {d: (k,) + tuple(g.shape[1:]) for d, k in send.items()}
         got = self.comm.exchange(sends, shapes, g.dtype, g.device)
-        out = g.new_zeros((n_owned,) + tuple(g.shape[1:])) if out is None else out
+        out = g.new_zeros((n_owned,) + tuple(g.shape[1:]))
         for d, k in send.items():
             if k:
                 out.index_add_(0, self.send_index[d][:k], got[d])

@@ -311,9 +311,7 @@ class ShardedSystem(Domain):
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:
         return HaloGather.apply(x, self.plan, self._limit(width), known)
 
-    def fold_ghosts(self, x_ghost: torch.Tensor, width: float, into: torch.Tensor | None = None) -> torch.Tensor:
-        if into is not None:
-            return self.plan.backward_rows(x_ghost.contiguous(), self.n_owned, self._limit(width), out=into)
+    def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
         return HaloFold.apply(x_ghost, self.plan, self.n_owned, self._limit(width))
 
     def own_images(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,9 +100,6 @@ class LocalView:
         row's value added to its owner's row (on whichever rank owns it),
         differentiable (its backward refreshes). A collective: call it on
         every rank alike.
-    fold_into : ``(x_ghost, x_owned) -> x_owned``: what :attr:`fold` does,
-        added to ``x_owned`` in place, outside autograd (a direct model's
-        forces, without an array of its own); None where the view has none.
     one_holder : makes :attr:`one_holder_pairs` (None without a half list).
     mesh_transform : ``(sizes, decomposition="auto") -> MeshTransform``, the
         3-D FFT of a periodic mesh shared by all ranks in slabs or pencils
@@ -143,7 +140,6 @@ class LocalView:
     system: torch.Tensor | None = None
     system_sizes: torch.Tensor | None = None
     fold: Callable[[torch.Tensor], torch.Tensor] | None = None
-    fold_into: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     one_holder: Callable[[], GroupedPairs] | None = None
 
     @property
@@ -314,20 +310,9 @@ def fold_ghost_shares(view: LocalView, forces: torch.Tensor, energies: torch.Ten
 
     For a direct evaluation over :attr:`LocalView.one_holder_pairs`:
     ``forces`` (R, 3) and ``energies`` (R,) or None on every row of ``view``;
-    returns them on the owned rows (energies None when given None). Outside
-    autograd the ghost shares are added to the owned rows in place
-    (:attr:`LocalView.fold_into`): a step between reports makes no array for
-    its forces. With energies too, forces and energies go home as one
-    4-column block added in the same order, so the forces have the same bits
-    with or without energies (a trajectory must not depend on its reports).
+    returns them on the owned rows (energies None when given None).
     """
     n = view.n_owned
-    if view.fold_into is not None and not forces.requires_grad:
-        if energies is None:
-            return view.fold_into(forces[n:], forces[:n]), None
-        both = torch.cat([forces, energies[:, None]], dim=1)
-        owned = view.fold_into(both[n:], both[:n])
-        return owned[:, :3], owned[:, 3]
     if energies is None:
         return forces[:n] + view.fold(forces[n:]), None
     home = view.fold(torch.cat([forces[n:], energies[n:, None]], dim=1))
