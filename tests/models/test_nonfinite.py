@@ -91,35 +91,20 @@ def test_error_is_easy_to_prefix_with_the_step():
     assert str(prefixed).startswith("step 12: NanOnAtom returned a non-finite energy") and prefixed.model == "NanOnAtom"
 
 
-def _distributed_nan() -> str:
-    """Every rank ends with the same error naming the model, also those that did not produce the nan."""
+def _distributed_failure(kind: str) -> str:
+    """Whether this rank owns atom 5, and the error it ends with: LJ plus a model that fails on that atom, on 2 ranks.
+
+    ``kind``: ``"nan_energy"`` (a full evaluation, whose reduction agrees on
+    the failure) or ``"infinite_force"`` (forces only: no reduction, so the
+    rank without the atom learns of it at its next communication).
+    """
     config = DomainConfig(timeout=10)
     system = triclinic_nacl((3, 3, 3))
     sharded = ShardedSystem.scatter(system if torch.distributed.get_rank() == 0 else None, config)
     owns_bad = bool((sharded.ids == 5).any())
+    model, energy = (NanOnAtom(5), True) if kind == "nan_energy" else (InfiniteSlopeOnAtom(5), False)
     try:
-        Pipeline([LennardJones(cutoff=4.0), NanOnAtom(5)], config=config)(sharded)
-    except (NonFiniteError, DistributedError) as exc:
-        return f"{owns_bad}: {exc}"
-    return f"{owns_bad}: no error"
-
-
-@pytest.mark.timeout(120)
-def test_non_finite_energy_on_one_rank_fails_every_rank_naming_the_model():
-    messages = spawn(_distributed_nan, 2, timeout=100)
-    assert sorted(m.split(":")[0] for m in messages) == ["False", "True"]  # one rank owns the atom, the other does not
-    for m in messages:
-        assert "NanOnAtom returned a non-finite energy (nan)" in m, messages
-
-
-def _distributed_infinite_forces() -> str:
-    """Forces only (no energy, no stress): the rank with the infinite force fails, the other at its next communication."""
-    config = DomainConfig(timeout=10)
-    system = triclinic_nacl((3, 3, 3))
-    sharded = ShardedSystem.scatter(system if torch.distributed.get_rank() == 0 else None, config)
-    owns_bad = bool((sharded.ids == 5).any())
-    try:
-        Pipeline([LennardJones(cutoff=4.0), InfiniteSlopeOnAtom(5)], config=config)(sharded, energy=False)
+        Pipeline([LennardJones(cutoff=4.0), model], config=config)(sharded, energy=energy)
         sharded.all_reduce(torch.ones(1, dtype=torch.float64))  # the next communication, as the next MD step's
     except (NonFiniteError, DistributedError) as exc:
         return f"{owns_bad}: {exc}"
@@ -127,9 +112,17 @@ def _distributed_infinite_forces() -> str:
 
 
 @pytest.mark.timeout(120)
+def test_non_finite_energy_on_one_rank_fails_every_rank_naming_the_model():
+    messages = spawn(_distributed_failure, 2, "nan_energy", timeout=100)
+    assert sorted(m.split(":")[0] for m in messages) == ["False", "True"]  # one rank owns the atom, the other does not
+    for m in messages:
+        assert "NanOnAtom returned a non-finite energy (nan)" in m, messages
+
+
+@pytest.mark.timeout(120)
 def test_non_finite_forces_without_energy_fail_every_rank_naming_the_model_and_rank():
     """No reduction agrees on the forces, yet every rank ends with the failing rank's message, not a timeout."""
-    messages = spawn(_distributed_infinite_forces, 2, timeout=100)
+    messages = spawn(_distributed_failure, 2, "infinite_force", timeout=100)
     assert sorted(m.split(":")[0] for m in messages) == ["False", "True"], messages
     failing = next(i for i, m in enumerate(messages) if m.startswith("True"))
     cause = f"rank {failing} failed during pipeline evaluation: NonFiniteError: non-finite forces or virial from InfiniteSlopeOnAtom"
