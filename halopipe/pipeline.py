@@ -710,12 +710,15 @@ def _group_ghost_positions(group: Group, domain: Domain, positions: torch.Tensor
 
 
 def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, halo_of, ghost_positions, energy: bool, wanted=()):
-    """Forces, virial, per-atom energies and produced fields of ``group``, and the gradients of the ``wanted`` fields it reads or produces.
+    """Forces, virial, per-atom energies (None without ``energy``), produced fields and ``wanted`` fields' gradients of ``group``.
 
-    A wanted field of the system becomes a leaf the group's views refresh
+    ``wanted``: fields the group reads or produces. A wanted field of the system becomes a leaf the group's views refresh
     from (the refresh's backward sums ghost rows' gradients into owners); a
     wanted produced field gets a node of its own at the wiring point, so its
-    gradient is what the consumers send back (:class:`Pipeline`).
+    gradient is what the consumers send back (:class:`Pipeline`). A model's
+    ghost rows' energy shares count in the energy where they lie, so the
+    graph holds no fold and its backward no refresh; they go home, outside
+    the graph, only for reported per-atom energies (:func:`_owned_energies`).
     """
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
@@ -733,13 +736,16 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
         leaves = {name: fields[name].detach().requires_grad_(True) for name in wanted if name in reads and name in static}
         fields.update(leaves)
     made: dict[str, torch.Tensor] = {}
-    energy = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
+    total = pos.sum() * 0.0  # keeps a graph on ranks that own no atom
     per_atom_energies = []
     ghosts = _group_ghost_positions(group, domain, positions, halo_of, ghost_positions)
     for step in group.steps:
-        out = _run_step(domain, step, halo_of(step.model), positions, cell, fields, ghosts)
-        energy = energy + out.energies.sum()
-        per_atom_energies.append(out.energies.detach())
+        width = halo_of(step.model)
+        out = _run_step(domain, step, width, positions, cell, fields, ghosts)
+        total = total + out.energies.sum()
+        if out.ghost_energies is not None:
+            total = total + out.ghost_energies.sum()
+        per_atom_energies.append(_owned_energies(domain, out, width) if energy else None)
         for out_name, visible in step.produced().items():
             value = out.fields[out_name]
             if visible in wanted:
@@ -749,7 +755,7 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
             fields[visible] = value
             made[visible] = value.detach()
     wrt = [pos, eps] if stress else [pos]
-    grads = torch.autograd.grad(energy, wrt + list(leaves.values()), allow_unused=True)
+    grads = torch.autograd.grad(total, wrt + list(leaves.values()), allow_unused=True)
     forces = -grads[0] if grads[0] is not None else torch.zeros_like(pos)
     virial = torch.zeros(cell.shape, dtype=pos.dtype, device=pos.device)
     if stress and grads[1] is not None:
@@ -759,6 +765,27 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
         for (name, leaf), grad in zip(leaves.items(), grads[len(wrt) :])
     }
     return forces.detach(), virial.detach(), per_atom_energies, made, field_grads
+
+
+def _owned_energies(domain: Domain, out: ModelOutput, width: float) -> torch.Tensor:
+    """A model's per-atom energies of the owned rows, its ghost rows' shares folded home (a collective), outside the graph."""
+    energies = out.energies.detach()
+    if out.ghost_energies is None:
+        return energies
+    with torch.no_grad():
+        return energies + domain.fold_ghosts(out.ghost_energies.detach(), width)
+
+
+def _check_ghost_energies(model, out: ModelOutput, view: LocalView, direct: bool) -> None:
+    """Ghost rows' energy shares come from an evaluation through autograd only, one per ghost row of the view."""
+    if out.ghost_energies is None:
+        return
+    if direct:
+        raise RuntimeError(f"{model.name}: a direct evaluation returned ghost_energies; it folds its ghost rows' shares home itself")
+    rows = view.n_rows - view.n_owned
+    if tuple(out.ghost_energies.shape) != (rows,):
+        shape = tuple(out.ghost_energies.shape)
+        raise RuntimeError(f"{model.name}: ghost_energies has shape {shape}, expected ({rows},): one per ghost row of its view")
 
 
 def _check_direct_output(model, out, view: LocalView) -> None:
@@ -820,6 +847,7 @@ def _run_step(
         if domain.system is not None:
             _raise_naming_system(exc, domain, step, width, positions, cell, fields)
         raise
+    _check_ghost_energies(step.model, out, view, direct)
     if direct:
         _check_direct_output(step.model, out, view)
         n = domain.n_owned
@@ -840,6 +868,9 @@ def _run_per_system(domain, step: Step, width: float, positions, cell, fields: d
             outs.append(_run_step(part, step, width, positions[rows], cell[b], own, None, direct, need_energy, need_virial))
         except ValueError as exc:
             raise ValueError(f"{domain.label(b)}: {exc}") from exc
+    for out, part in zip(outs, domain.parts):
+        if out.ghost_energies is not None:  # home within its system: one process, so a local, differentiable fold
+            out.energies, out.ghost_energies = out.energies + part.fold_ghosts(out.ghost_energies, width), None
     energies = None if any(o.energies is None for o in outs) else torch.cat([o.energies for o in outs])
     made = {name: torch.cat([o.fields[name] for o in outs]) for name in (outs[0].fields if outs else {})}
     out = ModelOutput(energies=energies, fields=made)

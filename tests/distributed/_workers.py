@@ -69,6 +69,7 @@ def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_mod
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
     out = pipeline(sharded, stress=stress)
     forces = sharded.gather(out["forces"])
+    energies = sharded.gather(out["energies"])  # ghost rows' shares folded home on the ranks that own them
     forces_only = sharded.gather(pipeline(sharded, energy=False)["forces"])  # an MD step between reports
     charges = sharded.gather(out["fields"]["charges"])
     ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
@@ -82,6 +83,7 @@ def compare_case(system_kind: str, grid, skin: float = 0.0, halo: str = "per_mod
             abs(float(out["model_energies"][k] - ref["model_energies"][k])) / max(abs(float(ref["model_energies"][k])), 1e-300)
             for k in ref["model_energies"]
         ),
+        "atom_energies": float((energies - ref["energies"]).abs().max()),
         "force": float((forces - ref["forces"]).abs().max()),
         "forces_only_equal": bool(torch.equal(forces_only, forces)),
         "charges": float((charges - ref["fields"]["charges"]).abs().max()),
@@ -172,6 +174,39 @@ def comm_volume(grid) -> dict:
         out[halo + "_wide_bytes"] = sent
         out["n_total"] = system.n_atoms
     return out
+
+
+def _counted(calls: dict, name: str, call):
+    """``call`` that adds one to ``calls[name]`` each time it runs."""
+
+    def counted(*args, **kwargs):
+        calls[name] += 1
+        return call(*args, **kwargs)
+
+    return counted
+
+
+def autograd_collectives(model: str) -> dict:
+    """Collectives of one evaluation of an autograd pair model on an unchanged plan, forces only and with energies.
+
+    ``model``: ``"lj"`` or ``"dsf"`` (static charges). Counted by spying on the
+    communicator: exchanges (point to point) and reductions.
+    """
+    system = make_system("triclinic")
+    config = DomainConfig(grid=(2, 1, 1), skin=0.5, timeout=60)
+    pair = LennardJones(0.002, 3.0, cutoff=6.5) if model == "lj" else DSFCoulomb(9.0, 0.2)
+    pipeline = Pipeline([Group([Step(pair)], autograd=True)], config=config)
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+    pipeline(sharded)  # builds the plan and the lists
+    comm, calls = sharded.comm, {"exchange": 0, "all_reduce": 0}
+    for name in calls:
+        setattr(comm, name, _counted(calls, name, getattr(comm, name)))
+    counts = {}
+    for label, energy in (("forces", False), ("energy", True)):
+        before = dict(calls)
+        pipeline(sharded, energy=energy)
+        counts[label] = {name: calls[name] - before[name] for name in calls}
+    return {"counts": counts, "rebuilds": sharded.rebuilds}
 
 
 class FailOnRank(Model):

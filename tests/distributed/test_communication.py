@@ -3,7 +3,7 @@ import pytest
 from halopipe.distributed.launch import spawn
 
 from ._lifetime_workers import many_scatters
-from ._workers import comm_volume, failure
+from ._workers import autograd_collectives, comm_volume, failure
 
 
 @pytest.mark.timeout(200)
@@ -17,6 +17,24 @@ def test_refresh_sends_only_the_rows_it_serves_and_per_model_halos_are_smaller()
             assert 0 < r[halo + "_short_bytes"] < r[halo + "_wide_bytes"]
         assert r["per_model"]["LennardJones"] < r["max"]["LennardJones"]
         assert r["per_model"]["DSFCoulomb"] == r["max"]["DSFCoulomb"]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("model, refreshes", [("lj", 0), ("dsf", 1)])
+def test_autograd_pair_models_exchange_nothing_for_their_ghost_energy_shares(model, refreshes):
+    """Hand-counted collectives of an autograd pair model's evaluation on 2 ranks, with the plan unchanged.
+
+    Forces only: the plan check's reduction, the ghost positions out, the
+    model's input fields out (``refreshes``: DSF's static charges, whose
+    gradient is not asked for) and the position gradients home. Energies add
+    the ghost rows' energy shares going home for the per-atom energies, and
+    the reduction of the totals. Folding the shares in the graph cost two
+    exchanges more on every evaluation (the fold and its backward).
+    """
+    for r in spawn(autograd_collectives, 2, model, timeout=180):
+        assert r["rebuilds"] == 1, r  # the counted evaluations reuse the first one's plan
+        assert r["counts"]["forces"] == {"exchange": 2 + refreshes, "all_reduce": 1}, r
+        assert r["counts"]["energy"] == {"exchange": 3 + refreshes, "all_reduce": 2}, r
 
 
 @pytest.mark.timeout(120)

@@ -47,6 +47,7 @@ def test_distributed_equals_single_process(world_size):
         assert r["owned_once"], label
         assert r["energy_rel"] < 1e-12, (label, r)
         assert r["energies_rel"] < 1e-12, (label, r)
+        assert r["atom_energies"] < 1e-12, (label, r)  # eV, per atom
         assert r["force"] < 1e-10, (label, r)
         assert r["forces_only_equal"], (label, "forces without energy or stress must be the same bits")
         assert r["charges"] < 1e-12, (label, r)

@@ -26,6 +26,8 @@ def test_matches_ase_on_periodic_triclinic(autograd, cutoff):
     atoms.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=cutoff)
     out = Pipeline([Group([LennardJones(0.0103, 3.4, cutoff)], autograd=autograd)])(System.from_ase(atoms), stress=True)
     assert float(out["energy"]) == pytest.approx(atoms.get_potential_energy(), rel=1e-12)
+    # Per atom: half of each pair at each end; a pair through a periodic image has its ghost end's half folded home.
+    np.testing.assert_allclose(out["energies"].numpy(), atoms.get_potential_energies(), atol=1e-12)
     np.testing.assert_allclose(out["forces"].numpy(), atoms.get_forces(), atol=1e-12)
     np.testing.assert_allclose(out["stress"].numpy(), atoms.get_stress(voigt=False), atol=1e-13)
 
