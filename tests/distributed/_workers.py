@@ -116,14 +116,18 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
     pipeline = make_pipeline("all", config=config)
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
     width = pipeline.halo
-    owners_changed = 0
+    owners_changed, replans, plans_equal = 0, 0, True
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 + step)
         kick = _walk_step(g, system.n_atoms)
         before = sharded.ids.clone()
+        rebuilds = sharded.rebuilds
         sharded.positions = sharded.positions + kick[sharded.ids]
         sharded.prepare(width)
         owners_changed += int(before.numel() != sharded.ids.numel() or not torch.equal(before, sharded.ids))
+        if sharded.rebuilds != rebuilds:  # alike on every rank, so the check's collective plan runs everywhere
+            plans_equal &= _plan_as_placed_afresh(sharded)
+            replans += 1
     out = pipeline(sharded, stress=True)
     ids = sharded.gather(torch.ones(sharded.n_owned, dtype=torch.int64))
     forces = sharded.gather(out["forces"])
@@ -145,9 +149,19 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
         "positions": float((final.positions - pos).abs().max()),
         "force": float((forces - ref["forces"]).abs().max()),
         "energy_rel": abs(float(out["energy"] - ref["energy"])) / abs(float(ref["energy"])),
-        "rebuilds": sharded.rebuilds,
+        "rebuilds": sharded.rebuilds - replans,
         "owner_changes": int(changed),
+        "plans_equal": bool(plans_equal),
     }
+
+
+def _plan_as_placed_afresh(sharded: ShardedSystem) -> bool:
+    """Whether the plan a rebuild made (from the owned rows' placement carried through the migration) is the one
+    placing every owned row again gives: the same ghost rows (ids, shifts, distances, bit for bit) and sends."""
+    made = (sharded.ghost_ids, sharded.ghost_shift, sharded.ghost_distance, sharded.owned_shift, sharded.plan.send_atom)
+    sharded._build_plan(sharded._width, sharded._peers, sharded._place())
+    again = (sharded.ghost_ids, sharded.ghost_shift, sharded.ghost_distance, sharded.owned_shift, sharded.plan.send_atom)
+    return all(torch.equal(a, b) for a, b in zip(made, again))
 
 
 def comm_volume(grid) -> dict:
