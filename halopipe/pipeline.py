@@ -716,9 +716,10 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     from (the refresh's backward sums ghost rows' gradients into owners); a
     wanted produced field gets a node of its own at the wiring point, so its
     gradient is what the consumers send back (:class:`Pipeline`). A model's
-    ghost rows' energy shares count in the energy where they lie, so the
-    graph holds no fold and its backward no refresh; they go home, outside
-    the graph, only for reported per-atom energies (:func:`_owned_energies`).
+    energies on its ghost rows (shares of their owners) count in the energy
+    where they lie, so the graph holds no fold and its backward no refresh;
+    they go home, outside the graph, only for reported per-atom energies
+    (:func:`_owned_energies`).
     """
     pos = domain.positions.detach().requires_grad_(True)
     cell = domain.cell.detach()
@@ -742,10 +743,8 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     for step in group.steps:
         width = halo_of(step.model)
         out = _run_step(domain, step, width, positions, cell, fields, ghosts)
-        total = total + out.energies.sum()
-        if out.ghost_energies is not None:
-            total = total + out.ghost_energies.sum()
-        per_atom_energies.append(_owned_energies(domain, out, width) if energy else None)
+        total = total + out.energies.sum()  # every row's share, ghost rows' included: each counted once over all ranks
+        per_atom_energies.append(_owned_energies(domain, out.energies, width) if energy else None)
         for out_name, visible in step.produced().items():
             value = out.fields[out_name]
             if visible in wanted:
@@ -767,25 +766,31 @@ def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool
     return forces.detach(), virial.detach(), per_atom_energies, made, field_grads
 
 
-def _owned_energies(domain: Domain, out: ModelOutput, width: float) -> torch.Tensor:
-    """A model's per-atom energies of the owned rows, its ghost rows' shares folded home (a collective), outside the graph."""
-    energies = out.energies.detach()
-    if out.ghost_energies is None:
-        return energies
+def _owned_energies(domain: Domain, energies: torch.Tensor, width: float) -> torch.Tensor:
+    """Per-atom energies of the owned rows from a model's ``energies`` (owned rows, or every row of its view), outside the graph.
+
+    The ghost rows' shares go home by one fold, which runs on every rank
+    alike whatever the local shapes (zeros where the model returned owned
+    rows only): it is a collective.
+    """
+    n = domain.n_owned
+    energies = energies.detach()
+    ghost = energies[n:] if energies.shape[0] > n else energies.new_zeros(domain.ghost_count(width))
     with torch.no_grad():
-        return energies + domain.fold_ghosts(out.ghost_energies.detach(), width)
+        return energies[:n] + domain.fold_ghosts(ghost, width)
 
 
-def _check_ghost_energies(model, out: ModelOutput, view: LocalView, direct: bool) -> None:
-    """Ghost rows' energy shares come from an evaluation through autograd only, one per ghost row of the view."""
-    if out.ghost_energies is None:
+def _check_energy_rows(model, out: ModelOutput, view: LocalView, direct: bool) -> None:
+    """Energies come one per owned row, or (through autograd only) one per row of the view (:class:`~halopipe.models.ModelOutput`)."""
+    if out.energies is None:
         return
-    if direct:
-        raise RuntimeError(f"{model.name}: a direct evaluation returned ghost_energies; it folds its ghost rows' shares home itself")
-    rows = view.n_rows - view.n_owned
-    if tuple(out.ghost_energies.shape) != (rows,):
-        shape = tuple(out.ghost_energies.shape)
-        raise RuntimeError(f"{model.name}: ghost_energies has shape {shape}, expected ({rows},): one per ghost row of its view")
+    allowed = {view.n_owned} if direct else {view.n_owned, view.n_rows}
+    if out.energies.ndim != 1 or int(out.energies.shape[0]) not in allowed:
+        what = "its owned rows or all its rows"
+        if direct:
+            what = "its owned rows (a direct evaluation folds its ghost rows' shares home itself)"
+        shape = tuple(out.energies.shape)
+        raise RuntimeError(f"{model.name}: energies of shape {shape}, expected one per row of {what}: {sorted(allowed)}")
 
 
 def _check_direct_output(model, out, view: LocalView) -> None:
@@ -847,7 +852,7 @@ def _run_step(
         if domain.system is not None:
             _raise_naming_system(exc, domain, step, width, positions, cell, fields)
         raise
-    _check_ghost_energies(step.model, out, view, direct)
+    _check_energy_rows(step.model, out, view, direct)
     if direct:
         _check_direct_output(step.model, out, view)
         n = domain.n_owned
@@ -869,8 +874,9 @@ def _run_per_system(domain, step: Step, width: float, positions, cell, fields: d
         except ValueError as exc:
             raise ValueError(f"{domain.label(b)}: {exc}") from exc
     for out, part in zip(outs, domain.parts):
-        if out.ghost_energies is not None:  # home within its system: one process, so a local, differentiable fold
-            out.energies, out.ghost_energies = out.energies + part.fold_ghosts(out.ghost_energies, width), None
+        n = part.n_owned
+        if out.energies is not None and out.energies.shape[0] > n:  # ghost rows' shares home within their system: one process
+            out.energies = out.energies[:n] + part.fold_ghosts(out.energies[n:], width)
     energies = None if any(o.energies is None for o in outs) else torch.cat([o.energies for o in outs])
     made = {name: torch.cat([o.fields[name] for o in outs]) for name in (outs[0].fields if outs else {})}
     out = ModelOutput(energies=energies, fields=made)

@@ -270,8 +270,6 @@ def _collectives(model, view: LocalView, direct: bool) -> tuple[list[str], objec
         return log, out, torch.zeros_like(rows)
     out = model(view)
     total = out.energies.sum() + 0.0 * rows.sum()  # as the pipeline does, so a rank without atoms has a graph
-    if out.ghost_energies is not None:  # counted where they lie, as the pipeline does
-        total = total + out.ghost_energies.sum()
     (grad,) = torch.autograd.grad(total, rows, allow_unused=True)
     return log, out, torch.zeros_like(rows) if grad is None else grad
 
@@ -336,11 +334,10 @@ def check_empty_view(model, system: System) -> None:
                 raise AssertionError(f"{where}, {model.name} raised {type(exc).__name__}: {exc}") from exc
             if got != want:
                 raise AssertionError(f"{where}, {model.name} calls the collectives {got}, but {want} with atoms: its peers would hang")
-            if tuple(out.energies.shape) != (0,):
-                raise AssertionError(f"{where}, {model.name} returned energies of shape {tuple(out.energies.shape)}, not (0,)")
-            ghost = out.ghost_energies
-            if ghost is not None and (tuple(ghost.shape) != (view.n_rows,) or not bool((ghost == 0).all())):
-                raise AssertionError(f"{where}, {model.name}'s ghost_energies are not zero on its {view.n_rows} ghost rows")
+            rows = tuple(out.energies.shape)  # none, or zeros on the ghost rows (a pair model's shares: :class:`ModelOutput`)
+            if rows not in ((0,), (view.n_rows,)) or not bool((out.energies == 0).all()):
+                zeros = f"zeros on its {view.n_rows} rows"
+                raise AssertionError(f"{where}, {model.name} returned energies of shape {rows}, not (0,) nor {zeros}")
             for name, value in out.fields.items():
                 if value.shape[0] != 0:
                     raise AssertionError(f"{where}, {model.name} produced field {name!r} with {value.shape[0]} rows, not 0")

@@ -140,21 +140,21 @@ def test_a_direct_model_that_drops_needed_energies_is_named(nacl):
     assert Pipeline([Group([_NoEnergiesEver(**LJ)], autograd=False)])(nacl, energy=False)["forces"].shape == (nacl.n_atoms, 3)
 
 
-class _GhostSharesOneRowShort(LennardJones):
-    """Returns its ghost rows' energy shares one row short, and claims ghost shares from a direct evaluation too."""
+class _EnergiesOneRowShort(LennardJones):
+    """Returns energies for one row fewer than its view has (per-row energies are fine only through autograd)."""
 
     def forward(self, view, direct=False):
         out = super().forward(view, direct)
-        out.ghost_energies = view.positions.new_zeros(view.n_rows - view.n_owned - 1)
+        out.energies = view.positions.new_zeros(view.n_rows - 1)
         return out
 
 
 @pytest.mark.parametrize(
-    "autograd, message", [(True, r"ghost_energies has shape \(\d+,\), expected"), (False, "a direct evaluation returned ghost_energies")]
+    "autograd, expected", [(True, "its owned rows or all its rows"), (False, "folds its ghost rows' shares home itself")]
 )
-def test_misplaced_ghost_energy_shares_are_named(nacl, autograd, message):
-    with pytest.raises(RuntimeError, match=f"_GhostSharesOneRowShort: {message}"):
-        Pipeline([Group([_GhostSharesOneRowShort(**LJ)], autograd=autograd)])(nacl)
+def test_energies_of_the_wrong_length_are_named(nacl, autograd, expected):
+    with pytest.raises(RuntimeError, match=rf"_EnergiesOneRowShort: energies of shape \(\d+,\), expected one per row of .*{expected}"):
+        Pipeline([Group([_EnergiesOneRowShort(**LJ)], autograd=autograd)])(nacl)
 
 
 def test_missing_input_field_is_named():

@@ -1,7 +1,7 @@
 """Interatomic models. Each file holds one model family: physics only."""
 
 from .adapter import TorchModel
-from .base import LocalView, Model, ModelOutput, NonFiniteError, fold_ghost_shares, pair_energy_shares, virial_from_forces
+from .base import LocalView, Model, ModelOutput, NonFiniteError, add_to_owned, fold_ghost_shares, pair_energies_once, virial_from_forces
 from .charges import ChargeModel
 from .coulomb import DSFCoulomb
 from .dftd3 import DFTD3
@@ -19,7 +19,8 @@ __all__ = [
     "NonFiniteError",
     "virial_from_forces",
     "fold_ghost_shares",
-    "pair_energy_shares",
+    "pair_energies_once",
+    "add_to_owned",
     "LennardJones",
     "DSFCoulomb",
     "ChargeModel",

@@ -42,7 +42,8 @@ __all__ = [
     "virial_from_forces",
     "direct_by_local_autograd",
     "fold_ghost_shares",
-    "pair_energy_shares",
+    "pair_energies_once",
+    "add_to_owned",
 ]
 
 
@@ -235,13 +236,15 @@ LocalView.pairs = property(_get_pairs, _set_pairs, doc="(2, P) int64 pairs (see 
 class ModelOutput:
     """What a model returns for its view.
 
-    ``energies`` (n_owned,) per-atom energies, eV. ``ghost_energies``
-    (R - n_owned,), in an evaluation through autograd only: energy shares that
-    lie on the ghost rows and belong to their owners (a pair evaluated once,
-    half of it on its ghost end, :func:`pair_energy_shares`). The pipeline
-    counts them in the energy where they lie, and folds them home (outside
-    the graph) only where per-atom energies are reported; None for a model
-    whose energy lies on its owned rows. ``fields`` produced per-atom
+    ``energies`` (n_owned,) per-atom energies, eV; or, in an evaluation
+    through autograd, (R,): one per row of the view, where the ghost rows
+    hold energy shares that belong to their owners (a pair evaluated once,
+    half of it on its ghost end: :func:`pair_energies_once`). The pipeline
+    counts those where they lie and folds them home (outside the graph)
+    only where per-atom energies are reported, so the evaluation exchanges
+    nothing for them. A per-row array cannot be mistaken for an owned one:
+    adding an owned-sized term to it, or weighting it per owned atom, fails
+    on the shapes (:func:`add_to_owned` adds such terms). ``fields`` produced per-atom
     tensors for the owned rows. ``forces`` (R, 3) and ``virial`` (3, 3) only for
     direct-force evaluation; ``forces`` has only the owned rows, (n_owned, 3),
     for a model whose ``ghost_forces`` is False. ``virial`` is this view's share of
@@ -256,7 +259,6 @@ class ModelOutput:
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     forces: torch.Tensor | None = None
     virial: torch.Tensor | None = None
-    ghost_energies: torch.Tensor | None = None
 
 
 class Model(torch.nn.Module):
@@ -326,28 +328,33 @@ def fold_ghost_shares(view: LocalView, forces: torch.Tensor, energies: torch.Ten
     return forces[:n] + home[:, :3], energies[:n] + home[:, 3]
 
 
-def pair_energy_shares(
-    view: LocalView, lists: HalfListCache, energies_of: Callable[[HalfList, int], torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-atom energies of a pair sum, each pair of the system evaluated once (differentiable): the owned and the ghost rows' shares.
+def pair_energies_once(view: LocalView, lists: HalfListCache, energies_of: Callable[[HalfList, int], torch.Tensor]) -> torch.Tensor:
+    """Per-row energies of a pair sum, each pair of the system evaluated once (differentiable).
 
     ``energies_of(half, n)`` gives per-row energies of the pairs in ``half``
     (half of each pair to each end) on the first ``n`` rows, differentiable.
-    Over :attr:`LocalView.one_holder_pairs` it runs for every row and returns
-    ``(owned, ghost)`` shares, for ``ModelOutput(energies=owned,
-    ghost_energies=ghost)``: the pipeline counts the ghost shares where they
-    lie, so an evaluation exchanges nothing for them (folding them home in
-    the graph cost two exchanges a step, the fold and its backward). A view
-    without a domain's lists (made by hand) has each pair with a ghost
-    evaluated by every holder instead, the owned rows' energies at weight 1,
-    and no ghost shares (None). ``lists`` keeps the model's converted list
-    from step to step.
+    Over :attr:`LocalView.one_holder_pairs` it runs for every row and the
+    result has one entry per row of the view, ghost rows holding their
+    owners' shares, for ``ModelOutput(energies=...)`` (see
+    :class:`ModelOutput`: the pipeline counts them where they lie, where
+    folding them home in the graph cost two exchanges an evaluation, the
+    fold and its backward). A view without a domain's lists (made by hand)
+    has each pair with a ghost evaluated by every holder instead: owned rows
+    only, at weight 1. ``lists`` keeps the model's converted list from step
+    to step.
     """
     if view.one_holder is None:
-        return energies_of(lists.get(view), view.n_owned), None
-    energies = energies_of(lists.get(view, one_holder=True), view.n_rows)
-    n = view.n_owned
-    return energies[:n], energies[n:]
+        return energies_of(lists.get(view), view.n_owned)
+    return energies_of(lists.get(view, one_holder=True), view.n_rows)
+
+
+def add_to_owned(energies: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """``energies`` (per owned row, or per row of a view: :class:`ModelOutput`) plus ``owned`` (n_owned,) on its owned rows.
+
+    Differentiable; the per-row form keeps its ghost rows' shares.
+    """
+    n = owned.shape[0]
+    return torch.cat([energies[:n] + owned, energies[n:]])
 
 
 def direct_by_local_autograd(energy_fn: Callable[[LocalView], torch.Tensor], view: LocalView) -> ModelOutput:

@@ -24,7 +24,16 @@ import math
 
 from ..kernels.coulomb import DampedCoulomb, coulomb_energies_autograd, coulomb_terms
 from ..kernels.pairs import HalfListCache
-from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energy_shares, virial_from_forces
+from .base import (
+    LocalView,
+    Model,
+    ModelOutput,
+    add_to_owned,
+    check_positive_length,
+    fold_ghost_shares,
+    pair_energies_once,
+    virial_from_forces,
+)
 
 __all__ = ["DSFCoulomb", "COULOMB_CONSTANT"]
 
@@ -72,10 +81,8 @@ class DSFCoulomb(Model):
         n = view.n_owned
         self_energies = (-COULOMB_CONSTANT * self._self) * q[:n] * q[:n]
         if not direct:
-            pairs, ghost = pair_energy_shares(
-                view, self._half, lambda half, m: coulomb_energies_autograd(view.positions, q, half, self._pair, m)
-            )
-            return ModelOutput(energies=pairs + self_energies, ghost_energies=ghost)
+            pairs = pair_energies_once(view, self._half, lambda half, m: coulomb_energies_autograd(view.positions, q, half, self._pair, m))
+            return ModelOutput(energies=add_to_owned(pairs, self_energies))
         once = self._half.get(view, one_holder=True)
         energies, forces, _ = coulomb_terms(view.positions, q, once, self._pair, view.positions.new_ones(view.n_rows), charge_grad=False)
         # Centred rows: the same virial (forces sum to zero) with less cancellation far from the origin.

@@ -36,7 +36,16 @@ import torch
 from ..kernels.coulomb import DampedCoulomb, coulomb_terms
 from ..kernels.ewald import real_space_energies_autograd
 from ..kernels.pairs import HalfListCache
-from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energy_shares, virial_from_forces
+from .base import (
+    LocalView,
+    Model,
+    ModelOutput,
+    add_to_owned,
+    check_positive_length,
+    fold_ghost_shares,
+    pair_energies_once,
+    virial_from_forces,
+)
 from .coulomb import COULOMB_CONSTANT
 
 __all__ = [
@@ -216,16 +225,16 @@ class SplitCoulomb(Model):
         self.cutoff, self.accuracy = float(cutoff), float(accuracy)
         self._half = HalfListCache()  # the HalfList of the last rebuild
 
-    def real_space(self, view: LocalView, charges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def real_space(self, view: LocalView, charges: torch.Tensor) -> torch.Tensor:
         """Real-space energy per row: half of ``k_e q_i q_j erfc(alpha r) / r`` per pair end (compiled kernel, each pair once).
 
-        The owned and the ghost rows' shares (:func:`~halopipe.models.base.pair_energy_shares`).
+        Ghost rows hold their owners' shares (:func:`~halopipe.models.base.pair_energies_once`).
         """
 
         def energies(half, n: int) -> torch.Tensor:
             return real_space_energies_autograd(view.positions, charges, half, self.cutoff, self.alpha, COULOMB_CONSTANT, n)
 
-        return pair_energy_shares(view, self._half, energies)
+        return pair_energies_once(view, self._half, energies)
 
     def reciprocal(self, view: LocalView, q_owned: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -242,9 +251,8 @@ class SplitCoulomb(Model):
         q_owned = q[: view.n_owned]
         volume = torch.linalg.det(view.cell).abs()
         reciprocal, total_charge = self.reciprocal_and_total_charge(view, q_owned)
-        real, ghost = self.real_space(view, q)
-        energies = real + self_energies(q_owned, self.alpha) + background_energies(q_owned, total_charge, volume, self.alpha) + reciprocal
-        return ModelOutput(energies=energies, ghost_energies=ghost)
+        owned = self_energies(q_owned, self.alpha) + background_energies(q_owned, total_charge, volume, self.alpha) + reciprocal
+        return ModelOutput(energies=add_to_owned(self.real_space(view, q), owned))
 
     def reciprocal_forces(
         self, view: LocalView, q_owned: torch.Tensor, virial: bool = False

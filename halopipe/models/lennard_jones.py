@@ -24,7 +24,7 @@ import torch
 
 from ..kernels.lennard_jones import LJTables, lj_direct, lj_energies_autograd
 from ..kernels.pairs import HalfList, HalfListCache
-from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energy_shares
+from .base import LocalView, Model, ModelOutput, check_positive_length, fold_ghost_shares, pair_energies_once
 
 __all__ = ["LennardJones"]
 
@@ -141,8 +141,8 @@ class LennardJones(Model):
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
         tables = self._view_tables(view)
         if not direct:
-            energies, ghost = pair_energy_shares(view, self._once, lambda half, m: lj_energies_autograd(view.positions, half, tables, m))
-            return ModelOutput(energies=energies, ghost_energies=ghost)
+            energies = pair_energies_once(view, self._once, lambda half, m: lj_energies_autograd(view.positions, half, tables, m))
+            return ModelOutput(energies=energies)
         once = self._once.get(view, one_holder=True)
         energies, forces, virial = lj_direct(view.positions, once, tables, view.n_owned, energy=view.need_energy, virial=view.need_virial)
         forces, energies = fold_ghost_shares(view, forces, energies)

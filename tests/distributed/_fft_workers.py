@@ -198,11 +198,16 @@ def run_pme_cases(cases: list) -> list:
 
 
 class _WeightedPME(PME):
-    """PME whose owned shares are weighted by a fixed factor per atom (from its global index): non-uniform cotangents."""
+    """PME whose shares are weighted by a fixed factor per atom (from its global index): non-uniform cotangents.
+
+    A ghost row's share (per-row energies, :class:`~halopipe.models.ModelOutput`) is its owner's, so it takes the
+    owner's weight: a ghost row carries its owner's id.
+    """
 
     def forward(self, view, direct=False):
-        weights = 1.0 + 0.25 * (view.ids[: view.n_owned] % 3).to(view.positions.dtype)
-        return ModelOutput(energies=weights * super().forward(view).energies)
+        energies = super().forward(view).energies
+        weights = 1.0 + 0.25 * (view.ids[: energies.shape[0]] % 3).to(view.positions.dtype)
+        return ModelOutput(energies=weights * energies)
 
 
 def weighted_pme_case(grid, sizes, mesh: str) -> dict | None:

@@ -36,12 +36,12 @@ class DetachesWhenEmpty(Model):
 
 
 class EnergyOnGhosts(Model):
-    """Returns an energy per row, not per owned row."""
+    """Returns an energy on every row, a rank's ghost rows included even where it owns no atom to pair them with."""
 
     cutoff = 3.0
 
     def forward(self, view, direct=False):
-        return ModelOutput(energies=view.positions[:, 0] * 0.0)
+        return ModelOutput(energies=view.positions[:, 0] * 0.0 + 1.0)
 
 
 class CrashesWhenEmpty(Model):
