@@ -712,10 +712,11 @@ def _group_ghost_positions(group: Group, domain: Domain, positions: torch.Tensor
 def _run_autograd_group(group: Group, domain: Domain, static: dict, stress: bool, halo_of, ghost_positions, energy: bool, wanted=()):
     """Forces, virial, per-atom energies (None without ``energy``), produced fields and ``wanted`` fields' gradients of ``group``.
 
-    ``wanted``: fields the group reads or produces. A wanted field of the system becomes a leaf the group's views refresh
-    from (the refresh's backward sums ghost rows' gradients into owners); a
-    wanted produced field gets a node of its own at the wiring point, so its
-    gradient is what the consumers send back (:class:`Pipeline`). A model's
+    ``wanted``: fields the group reads or produces. A wanted field of the
+    system becomes a leaf the group's views refresh from (the refresh's
+    backward sums ghost rows' gradients into owners); a wanted produced field
+    gets a node of its own at the wiring point, so its gradient is what the
+    consumers send back (:class:`Pipeline`). A model's
     energies on its ghost rows (shares of their owners) count in the energy
     where they lie, so the graph holds no fold and its backward no refresh;
     they go home, outside the graph, only for reported per-atom energies
