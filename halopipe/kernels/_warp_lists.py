@@ -18,6 +18,15 @@ loop). The writing passes are branch-free in
 their inner loop: every candidate is written at the row's next free slot and
 kept by advancing past it (while the row's slots last), which measured twice
 as fast as writing under a data-dependent branch on the CPU.
+
+Their loops over candidates and pairs are ``while`` loops, not ``range``:
+Warp's ``range`` carries its step as a run-time value through the loop
+(for Python's negative steps), so the C++ compiler tests it on every
+iteration and neither unrolls the loop nor walks the rows by pointer. In a
+loop this short that is much of the cost: the search 8-10 % faster with
+``while`` (LJ 32k, NaCl 11 Å), the one-holder filter 12 % and the narrower
+one 6 %, with their packing 8-11 % more. (The pair-energy kernels keep
+``range``: their longer loops measured 3-4 % slower as ``while``.)
 """
 
 from __future__ import annotations
@@ -146,7 +155,8 @@ def _owned_half_search(mode: int, one_holder: bool = False):
                                 s_begin = s_end
                             elif line == own_line:
                                 s_begin = wp.max(s_begin, after_i)
-                        for s in range(s_begin, s_end):
+                        s = s_begin
+                        while s < s_end:
                             d = sorted_rows[s] - centre
                             keep = wp.dot(d, d) <= rc2
                             if wp.static(mode == FILL):
@@ -156,6 +166,7 @@ def _owned_half_search(mode: int, one_holder: bool = False):
                                 if n < end:
                                     partners[n] = s
                             n += wp.where(keep, 1, 0)
+                            s += 1
         if wp.static(mode == COUNT):
             counts[i] = n
         elif wp.static(mode == SLOTS):
@@ -185,10 +196,13 @@ def compact_slots(
     Row ``i``'s slots are ``slots[i * capacity ...]``; every row fits its slots.
     """
     i = wp.tid()
-    base = i * capacity
+    k = i * capacity
     out = start[i]
-    for k in range(start[i + 1] - out):
-        partners[out + k] = order[slots[base + k]]
+    end = start[i + 1]
+    while out < end:
+        partners[out] = order[slots[k]]
+        out += 1
+        k += 1
 
 
 @wp.kernel
@@ -200,10 +214,13 @@ def compact_runs(
 ):
     """Row ``i``'s kept partners, written by a filter from ``slots[slot_start[i]]`` on, to ``start[i] .. start[i + 1]``."""
     i = wp.tid()
-    base = slot_start[i]
+    k = slot_start[i]
     out = start[i]
-    for k in range(start[i + 1] - out):
-        partners[out + k] = slots[base + k]
+    end = start[i + 1]
+    while out < end:
+        partners[out] = slots[k]
+        out += 1
+        k += 1
 
 
 def _half_list_filter(mode: int):
@@ -236,7 +253,9 @@ def _half_list_filter(mode: int):
             end = offsets[a + 1]
         elif wp.static(mode == SLOTS):
             n = start[a]
-        for k in range(start[a], start[a + 1]):
+        k = start[a]
+        stop = start[a + 1]
+        while k < stop:
             b = partner[k]
             d = rows[wp.min(b, n_rows - 1)] - centre  # a row beyond the view reads a stand-in
             keep = b < n_rows and wp.dot(d, d) <= rc2
@@ -246,6 +265,7 @@ def _half_list_filter(mode: int):
             elif wp.static(mode == SLOTS):
                 kept[n] = b
             n += wp.where(keep, 1, 0)
+            k += 1
         if wp.static(mode == COUNT):
             counts[a] = n
         elif wp.static(mode == SLOTS):
@@ -287,7 +307,9 @@ def _one_holder_filter(mode: int):
             end = offsets[a + 1]
         elif wp.static(mode == SLOTS):
             n = start[a]
-        for k in range(start[a], start[a + 1]):
+        k = start[a]
+        stop = start[a + 1]
+        while k < stop:
             b = partner[k]
             keep = True
             if b >= n_owned:
@@ -298,6 +320,7 @@ def _one_holder_filter(mode: int):
             elif wp.static(mode == SLOTS):
                 kept[n] = b
             n += wp.where(keep, 1, 0)
+            k += 1
         if wp.static(mode == COUNT):
             counts[a] = n
         elif wp.static(mode == SLOTS):
