@@ -19,6 +19,13 @@ contributions go to both ends with atomics.
 the image sums are formed first and ``C6_ij`` is read once, as
 ``v_i[s_j] . w_j`` with ``v_i[s] = w_i^T C6ref(Z_i, s)`` formed per atom,
 then energy, forces and ``dE/dC6`` times the partner's weights, ``u``).
+
+The loops over a partner's images are ``while`` loops, each variable
+advanced first so that ``continue`` skips nothing: Warp's ``range`` tests
+its run-time step on every iteration (see :mod:`._warp_lists`), a cost in
+loops of one to three images. Energy, forces and stress keep their bits;
+si-512, urea-432 and rutile-576 (two-body, one thread): 1.5-2.3 % faster in
+two interleaved rounds.
 """
 
 from __future__ import annotations
@@ -203,11 +210,17 @@ def _lattice_kernel(term: int, zero_damping: bool, virial: bool, store: bool = F
                         range_x = _box_range(df[0], half_width[0], periodic[0])
                         range_y = _box_range(df[1], half_width[1], periodic[1])
                         range_z = _box_range(df[2], half_width[2], periodic[2])
-                        for tx in range(range_x[0], range_x[1] + 1):
+                        tx = range_x[0] - 1
+                        while tx < range_x[1]:
+                            tx += 1
                             d1 = d0 + wp.float64(tx) * lattice_a
-                            for ty in range(range_y[0], range_y[1] + 1):
+                            ty = range_y[0] - 1
+                            while ty < range_y[1]:
+                                ty += 1
                                 d2 = d1 + wp.float64(ty) * lattice_b
-                                for tz in range(range_z[0], range_z[1] + 1):
+                                tz = range_z[0] - 1
+                                while tz < range_z[1]:
+                                    tz += 1
                                     if wp.static(term < NEIGHBOUR_COUNT):
                                         if j == i and not _lex_positive(tx, ty, tz):
                                             continue
