@@ -318,7 +318,7 @@ def _ghost_class_cells(cell_id: torch.Tensor, keys: torch.Tensor, n_owned: int, 
     return cells, torch.cat([rows, positive + n_owned])
 
 
-SPHERE_ROWS_FOR_HALF_CUBES = 150
+SPHERE_ROWS_FOR_HALF_CUBES = 350
 """Rows in a cutoff sphere above which the search bins by cubes of half the cutoff rather than the cutoff (:func:`_cube_edge`)."""
 
 
@@ -329,12 +329,14 @@ def _cube_edge(cutoff: float, density: float) -> float:
     costing a set-up (its trim to the sphere: ~20 ns on one AMD EPYC thread)
     besides its rows (~2.8 ns each); cubes of edge ``cutoff`` scan 9 lines of
     about 9 rho rc^3 rows in all, cubes of ``cutoff / 2`` 25 lines of 6.25 rho rc^3.
-    Measured on the one-pass search: the two cost the same at ~100-140 rows per
-    sphere (Lennard-Jones argon at 9.5 Å, 32,000 owned rows: 30 ms either way;
-    NaCl at 9 Å: 4.5 ms), and half cubes win above (the demo composite's 11 Å
-    sphere, ~250 rows: 11 ms instead of 14 ms for 8,000 owned rows; D3's 21 Å
-    coordination sphere, ~2,000 rows, by far). The hair keeps the reach at 1 or
-    2 cubes whatever the rounding of the binning.
+    Measured on the one-pass search with its ``while`` loop over candidates
+    (cheaper rows shift the balance to fewer lines), one AMD EPYC thread, the
+    demo's NaCl of 8,000 owned rows: cubes of the cutoff take 11-15 % less at
+    11 Å (~250 rows a sphere: the one-holder list 12.6 -> 10.7 ms) and 4-8 %
+    less at 12 Å (~320); at 13 Å (~410) it depends on the list; half cubes take
+    4-8 % less at 15 Å (~630) and 9-13 % at 21 Å (~1,700). Lennard-Jones argon
+    at 9.5 Å (~100 rows): half cubes 38-41 % slower. The hair keeps the reach
+    at 1 or 2 cubes whatever the rounding of the binning.
     """
     sphere_rows = density * 4.0 / 3.0 * math.pi * cutoff**3
     return cutoff * ((0.5 if sphere_rows > SPHERE_ROWS_FOR_HALF_CUBES else 1.0) + 1e-9)

@@ -87,8 +87,9 @@ def test_cell_list_equals_vesin_search():
 @pytest.mark.parametrize(
     "layout",
     # rows ~ owned; rows >> owned (D3-like halo); a few rows far apart (coarser cubes); a lattice with many pairs exactly at
-    # the cutoff and rows on cube faces (the search trims its scan to the cutoff sphere: rounding must never drop one)
-    ["dense", "wide_halo", "sparse", "lattice"],
+    # the cutoff and rows on cube faces (the search trims its scan to the cutoff sphere: rounding must never drop one);
+    # hundreds of rows a cutoff sphere (the Warp search bins by cubes of half the cutoff)
+    ["dense", "wide_halo", "sparse", "lattice", "crowded"],
 )
 def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
     """The owned-centred search (Warp cell list, or vesin / torch cell list) against all distances by cdist."""
@@ -103,6 +104,11 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
         rows, n_owned, cutoff = rng.uniform(-2, 12, (400, 3)), 150, 3.1
     elif layout == "wide_halo":
         rows, n_owned, cutoff = rng.uniform(-10, 20, (900, 3)), 40, 6.0
+    elif layout == "crowded":
+        rows, n_owned, cutoff = rng.uniform(0, 7, (700, 3)), 100, 3.8
+        density = 700 / 7.0**3
+        assert density * 4.0 / 3.0 * np.pi * cutoff**3 > neighbors.SPHERE_ROWS_FOR_HALF_CUBES
+        assert neighbors._cube_edge(cutoff, density) < cutoff
     elif layout == "lattice":
         grid = np.stack(np.meshgrid(*[np.arange(8.0)] * 3, indexing="ij"), axis=-1).reshape(-1, 3)
         rows, n_owned, cutoff = grid[rng.permutation(len(grid))], 200, 2.0 + 1e-12  # ties at 2 included beyond rounding
