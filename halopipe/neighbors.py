@@ -263,6 +263,7 @@ def _warp_owned_half_pairs(
         edge *= 2.0
     edge_x = edge / split
     reach, reach_x = math.ceil(float(cutoff) / edge), math.ceil(float(cutoff) / edge_x)
+    assert reach <= 2  # cubes of at least half the cutoff: the Warp search holds a row's (2 r + 1)^2 lines' ranges in a fixed vector
     scale = torch.tensor([edge_x, edge, edge], dtype=pos.dtype, device=device)
     cell = (pos - lo).div_(scale).floor_().to(torch.int32)
     dims = [int(d) + 1 for d in ((hi - lo) / scale).floor_().tolist()]  # the last cell: the same arithmetic as the rows at hi

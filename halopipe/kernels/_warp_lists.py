@@ -38,6 +38,11 @@ wp.set_module_options({"enable_backward": False})
 
 COUNT, FILL, SLOTS = 0, 1, 2
 
+MAX_LINES = 25
+"""Lines of cubes a search row scans at most: (2 r + 1)^2 for a reach of r <= 2 cubes (:func:`halopipe.neighbors._cube_edge`)."""
+
+_ranges = wp.types.vector(length=2 * MAX_LINES, dtype=wp.int32)  # a row's scan ranges: two sections a line
+
 
 @wp.func
 def _slab_gap(x: wp.float64, lower: wp.float64, edge: wp.float64):
@@ -90,6 +95,16 @@ def _owned_half_search(mode: int, one_holder: bool = False):
     owned rows, class 0, class 1; the images of owned atoms that a row keeps
     whatever its bit are in both), and row ``i`` scans the class it keeps
     by its key ``keys[i]`` (:func:`_holder_keeps`), so no pair is tested.
+
+    A row first works out all its scan ranges (each line's trim and its
+    ``cell_start`` bounds), then scans them: with the two interleaved, each
+    line waited on its own chain of a square root, a floor and two loads
+    before its first candidate, and the CPU could not start the next line's
+    chain while scanning; apart, the chains of all lines overlap. The
+    one-holder search of LJ 32k took 11 % less (with its binning and
+    packing), the demo's NaCl 5 Å 17 % and 11 Å 8 %, the same pairs in the
+    same order. The trim multiplies by ``1 / edge_x`` rather than divide
+    (2-3 % of that).
     """
 
     @wp.kernel
@@ -134,8 +149,12 @@ def _owned_half_search(mode: int, one_holder: bool = False):
             n = i * capacity
             end = n + capacity
         pad2 = reach_pad * reach_pad
+        inv_x = wp.float64(1.0) / edge_x
         x_lo = wp.max(c[0] - reach_x, 0)
         x_hi = wp.min(c[0] + reach_x, dims[0] - 1)
+        begins = _ranges()
+        ends = _ranges()
+        m = wp.int32(0)
         for z in range(wp.max(c[2] - reach, 0), wp.min(c[2] + reach + 1, dims[2])):
             gz = _slab_gap(rel[2], wp.float64(z) * edge, edge)
             for y in range(wp.max(c[1] - reach, 0), wp.min(c[1] + reach + 1, dims[1])):
@@ -143,8 +162,8 @@ def _owned_half_search(mode: int, one_holder: bool = False):
                 h2 = pad2 - gy * gy - gz * gz
                 if h2 >= wp.float64(0.0):
                     h = wp.sqrt(h2)
-                    a = wp.max(wp.int32(wp.floor((rel[0] - h) / edge_x)), x_lo)
-                    b = wp.min(wp.int32(wp.floor((rel[0] + h) / edge_x)), x_hi)
+                    a = wp.max(wp.int32(wp.floor((rel[0] - h) * inv_x)), x_lo)
+                    b = wp.min(wp.int32(wp.floor((rel[0] + h) * inv_x)), x_hi)
                     line = z * dims[1] + y
                     for section in range(2):  # owned rows, then ghost rows
                         base = wp.where(section == 0, 0, ghost_base) + line * dims[0]
@@ -155,18 +174,25 @@ def _owned_half_search(mode: int, one_holder: bool = False):
                                 s_begin = s_end
                             elif line == own_line:
                                 s_begin = wp.max(s_begin, after_i)
-                        s = s_begin
-                        while s < s_end:
-                            d = sorted_rows[s] - centre
-                            keep = wp.dot(d, d) <= rc2
-                            if wp.static(mode == FILL):
-                                if n < end:
-                                    partners[n] = order[s]
-                            elif wp.static(mode == SLOTS):
-                                if n < end:
-                                    partners[n] = s
-                            n += wp.where(keep, 1, 0)
-                            s += 1
+                        begins[m] = s_begin
+                        ends[m] = s_end
+                        m += 1
+        k = wp.int32(0)
+        while k < m:
+            s = begins[k]
+            s_end = ends[k]
+            while s < s_end:
+                d = sorted_rows[s] - centre
+                keep = wp.dot(d, d) <= rc2
+                if wp.static(mode == FILL):
+                    if n < end:
+                        partners[n] = order[s]
+                elif wp.static(mode == SLOTS):
+                    if n < end:
+                        partners[n] = s
+                n += wp.where(keep, 1, 0)
+                s += 1
+            k += 1
         if wp.static(mode == COUNT):
             counts[i] = n
         elif wp.static(mode == SLOTS):
