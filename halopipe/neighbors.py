@@ -358,6 +358,18 @@ per rank (NaCl 4k's half cubes: the same 2.5-2.7 ms).
 """
 
 
+PACK_IN_ORDER = True
+"""Whether the Warp search and filters write their lists packed in one pass on the CPU, where a launch runs its rows in order.
+
+Elsewhere (a GPU), or when False, they write per-row slots and pack them in
+a second pass (:mod:`halopipe.kernels._warp_lists`).
+"""
+
+
+def _packs_in_order(device: torch.device) -> bool:
+    return PACK_IN_ORDER and device.type == "cpu"
+
+
 PAIR_SLOT_BYTES = 512 << 20
 """Memory the one-pass search may fill with its rows' slots (:func:`_slot_capacity` partners each, 4 bytes a partner)."""
 
@@ -386,7 +398,10 @@ def _owned_half_one_pass(
     """The owned-centred search in one pass over ``capacity`` slots per row, packed by a copy; two passes if a row overflows.
 
     The slots hold sorted positions; the copy maps them to rows through ``order``.
+    On the CPU the search writes the list packed instead (:func:`_owned_half_packed`).
     """
+    if _packs_in_order(device):
+        return _owned_half_packed(kernels, n_owned, device, inputs, capacity, pool)
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     slots = pool.take_flat(n_owned * capacity, torch.int32, device)
     nothing = torch.empty(0, dtype=torch.int32, device=device)
@@ -402,6 +417,29 @@ def _owned_half_one_pass(
     return GroupedPairs(partners, start)
 
 
+def _owned_half_packed(kernels: str, n_owned: int, device: torch.device, inputs: list, capacity: int, pool: ScratchPool) -> GroupedPairs:
+    """The owned-centred search on the CPU, written packed in one pass (``PACKED``: rows run in order), then copied out of the buffer.
+
+    The buffer holds ``capacity`` partners a row on average, the slots' size
+    on a GPU; should the rows' pairs outnumber it, their starts are still
+    right, so one more pass (``FILL``) writes them.
+    """
+    budget = n_owned * capacity
+    buffer = pool.take_flat(budget, torch.int32, device)
+    start = torch.empty(n_owned + 1, dtype=torch.int32, device=device)
+    cursor = torch.zeros(1, dtype=torch.int32, device=device)
+    launch(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, [*inputs, budget, start], [buffer, cursor])
+    total = int(cursor[0])
+    start[n_owned] = total
+    if total <= budget:
+        partners = buffer[:total].clone()
+    else:
+        partners = torch.empty(total, dtype=torch.int32, device=device)
+        launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, cursor[:0]])
+    pool.give_flat(buffer)
+    return GroupedPairs(partners, start)
+
+
 def _filtered(kernels: str, listed: GroupedPairs, device: torch.device, inputs: list) -> GroupedPairs:
     """The pairs of ``listed`` that the Warp filter ``kernels`` keeps, in one pass written into ``listed``'s layout, then packed.
 
@@ -410,11 +448,21 @@ def _filtered(kernels: str, listed: GroupedPairs, device: torch.device, inputs: 
     composite's Lennard-Jones list (274,000 of 494,000 pairs kept, 2 ranks):
     1.8-2.1 ms a rebuild, against 2.6 ms in two passes (a count, then the
     writes, each testing every pair). Where that layout would not fit in
-    :data:`PAIR_SLOT_BYTES`, two passes.
+    :data:`PAIR_SLOT_BYTES`, two passes. On the CPU the kept pairs are
+    written packed in the one pass (``PACKED``: rows run in order), then
+    copied out where they fill less than half of the buffer.
     """
     n_owned = listed.n_owned
     if listed.n_pairs * 4 > PAIR_SLOT_BYTES:
         return _grouped_two_passes(kernels, n_owned, device, inputs)
+    if _packs_in_order(device):
+        start = torch.empty(n_owned + 1, dtype=torch.int32, device=device)
+        kept = torch.empty(listed.n_pairs, dtype=torch.int32, device=device)  # a row keeps at most its pairs: always fits
+        cursor = torch.zeros(1, dtype=torch.int32, device=device)
+        launch(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, [*inputs, start], [kept, cursor])
+        total = int(cursor[0])
+        start[n_owned] = total
+        return GroupedPairs(kept[:total].clone() if 2 * total < listed.n_pairs else kept[:total], start)
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     slots = torch.empty(listed.n_pairs, dtype=torch.int32, device=device)
     nothing = torch.empty(0, dtype=torch.int32, device=device)

@@ -127,11 +127,14 @@ def test_owned_half_pairs_match_brute_force(kernels, layout, monkeypatch):
     pairs.warp_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("search", ["one_pass", "a_row_overflows_its_slots", "two_passes"])
+@pytest.mark.parametrize("search", ["packed", "packed_past_its_buffer", "slots", "a_row_overflows_its_slots", "two_passes"])
 def test_every_path_of_the_warp_search_gives_the_pairs_grouped_by_owned_row(search, monkeypatch):
-    """One pass into per-row slots, the fallback when a row has more partners than slots, and two passes: against cdist."""
+    """Every path, against cdist: one pass packed in order (the CPU), and its fallback when the pairs outnumber its
+    buffer; one pass into per-row slots (a GPU), and its fallback when a row has more partners than slots; two passes."""
 
-    if search == "a_row_overflows_its_slots":
+    if search in ("slots", "a_row_overflows_its_slots"):
+        monkeypatch.setattr(neighbors, "PACK_IN_ORDER", False)
+    if search in ("packed_past_its_buffer", "a_row_overflows_its_slots"):
         monkeypatch.setattr(neighbors, "_slot_capacity", lambda *args: 3)
     elif search == "two_passes":
         monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
@@ -154,12 +157,13 @@ def _view_rows(domain, width: float) -> torch.Tensor:
     return torch.cat([pos + domain.owned_shift.to(pos.dtype) @ cell, ghosts])
 
 
-@pytest.mark.parametrize("kernels", ["warp", "warp_two_passes", "torch"])
+@pytest.mark.parametrize("kernels", ["warp", "warp_slots", "warp_two_passes", "torch"])
 def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
     """A list filtered from a wider one (more ghosts, longer cutoff) holds exactly the pairs of a direct search at the narrower one.
 
-    Warp filters in one pass into the wider list's layout, or in two passes
-    where that layout would not fit (``warp_two_passes``: no room at all).
+    Warp filters in one pass, packed in order on the CPU, or into the wider
+    list's layout as on a GPU (``warp_slots``), or in two passes where that
+    layout would not fit (``warp_two_passes``: no room at all).
     """
     from halopipe import System
     from halopipe.domain import LocalDomain
@@ -168,7 +172,9 @@ def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
 
     if kernels == "warp_two_passes":
         monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
-    monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes"))
+    elif kernels == "warp_slots":  # a GPU's one pass into slots, then packed
+        monkeypatch.setattr(neighbors, "PACK_IN_ORDER", False)
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes").removesuffix("_slots"))
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()
     cell = np.array([[9.0, 0.0, 0.0], [2.3, 8.1, 0.0], [-1.4, 1.9, 7.6]])  # irregular triclinic, shorter than the cutoffs
@@ -276,7 +282,7 @@ def _canonical_pairs(view, pairs: torch.Tensor, positions: np.ndarray, cell: np.
 
 
 @pytest.mark.parametrize("half_first", [False, True], ids=["searched", "filtered"])
-@pytest.mark.parametrize("kernels", ["warp", "warp_two_passes", "torch"])
+@pytest.mark.parametrize("kernels", ["warp", "warp_slots", "warp_two_passes", "torch"])
 def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first, monkeypatch):
     """Over a batch's systems and their periodic images, each pair within the list's reach is in exactly one one-holder list.
 
@@ -286,7 +292,8 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first,
     two cutoffs, the narrower list made from the wider one-holder list. The
     wider list is searched with the rule in the search, or (``half_first``:
     the view's whole half list read first) filtered from the half list.
-    Warp's searches and filters run in one pass, or in two (``warp_two_passes``).
+    Warp's searches and filters run in one pass (packed in order on the CPU,
+    or into slots as on a GPU: ``warp_slots``), or in two (``warp_two_passes``).
     """
     from halopipe import Batch, LennardJones, System
     from halopipe.batch import BatchDomain
@@ -295,7 +302,9 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first,
 
     if kernels == "warp_two_passes":
         monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
-    monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes"))
+    elif kernels == "warp_slots":  # a GPU's one pass into slots, then packed
+        monkeypatch.setattr(neighbors, "PACK_IN_ORDER", False)
+    monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes").removesuffix("_slots"))
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()
     rng = np.random.default_rng(8)
