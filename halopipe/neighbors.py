@@ -27,7 +27,7 @@ import torch
 from vesin import NeighborList as _VesinNeighborList
 
 from .kernels.backend import warp_module
-from .kernels.pairs import group_by_row, launch, rows_of_groups, warp_kernel
+from .kernels.pairs import group_by_row, launch, packs_in_order, rows_of_groups, warp_kernel
 from .scratch import ScratchPool
 from .sorting import stable_argsort
 
@@ -358,18 +358,6 @@ per rank (NaCl 4k's half cubes: the same 2.5-2.7 ms).
 """
 
 
-PACK_IN_ORDER = True
-"""Whether the Warp search and filters write their lists packed in one pass on the CPU, where a launch runs its rows in order.
-
-Elsewhere (a GPU), or when False, they write per-row slots and pack them in
-a second pass (:mod:`halopipe.kernels._warp_lists`).
-"""
-
-
-def _packs_in_order(device: torch.device) -> bool:
-    return PACK_IN_ORDER and device.type == "cpu"
-
-
 PAIR_SLOT_BYTES = 512 << 20
 """Memory the one-pass search may fill with its rows' slots (:func:`_slot_capacity` partners each, 4 bytes a partner)."""
 
@@ -400,7 +388,7 @@ def _owned_half_one_pass(
     The slots hold sorted positions; the copy maps them to rows through ``order``.
     On the CPU the search writes the list packed instead (:func:`_owned_half_packed`).
     """
-    if _packs_in_order(device):
+    if packs_in_order(device):
         return _owned_half_packed(kernels, n_owned, device, inputs, capacity, pool)
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     slots = pool.take_flat(n_owned * capacity, torch.int32, device)
@@ -455,7 +443,7 @@ def _filtered(kernels: str, listed: GroupedPairs, device: torch.device, inputs: 
     n_owned = listed.n_owned
     if listed.n_pairs * 4 > PAIR_SLOT_BYTES:
         return _grouped_two_passes(kernels, n_owned, device, inputs)
-    if _packs_in_order(device):
+    if packs_in_order(device):
         start = torch.empty(n_owned + 1, dtype=torch.int32, device=device)
         kept = torch.empty(listed.n_pairs, dtype=torch.int32, device=device)  # a row keeps at most its pairs: always fits
         cursor = torch.zeros(1, dtype=torch.int32, device=device)

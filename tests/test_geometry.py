@@ -10,6 +10,7 @@ import pytest
 import torch
 from ase.neighborlist import neighbor_list
 
+from halopipe import geometry as geometry_module
 from halopipe.geometry import Geometry, Partition, choose_grid, images_near_bricks
 from halopipe.kernels import backend as kernel_backend_module
 from halopipe.kernels import pairs as pair_kernels
@@ -103,11 +104,25 @@ def _partitioned(system, grid):
     return part, wrapped, image, part.rank_of(part.brick_index(wrapped))
 
 
+WARP_IMAGE_PASSES = ["packed", "packed_past_its_outputs", "count_and_fill"]
+"""The Warp images' paths: one packed pass (the CPU), with the write pass after it where the images outnumber
+its outputs, and a GPU's count then write."""
+
+
+def _take_image_pass(warp_pass: str, monkeypatch) -> None:
+    if warp_pass == "packed_past_its_outputs":
+        monkeypatch.setattr(geometry_module, "PACKED_IMAGES_ROOM", (0, 0))
+    elif warp_pass == "count_and_fill":
+        monkeypatch.setattr(pair_kernels, "PACK_IN_ORDER", False)
+
+
+@pytest.mark.parametrize("warp_pass", WARP_IMAGE_PASSES)
 @pytest.mark.parametrize(
     "grid, width, pbc", [((2, 1, 2), 9.5, (True, True, True)), ((2, 2, 1), 5.0, (True, False, True)), ((3, 1, 1), 12.0, (False,) * 3)]
 )
-def test_warp_images_and_nearest_images_equal_the_torch_ones_bit_for_bit(monkeypatch, grid, width, pbc):
+def test_warp_images_and_nearest_images_equal_the_torch_ones_bit_for_bit(monkeypatch, grid, width, pbc, warp_pass):
     """The halo plan's geometry is the same, in the same order, with either kernel technology (owned images left out too)."""
+    _take_image_pass(warp_pass, monkeypatch)
     system = triclinic_nacl(repeat=(2, 1, 1), seed=4).replace(pbc=torch.tensor(pbc))
     part, wrapped, image, owner = _partitioned(system, grid)
     g = torch.Generator().manual_seed(0)
@@ -125,12 +140,14 @@ def test_warp_images_and_nearest_images_equal_the_torch_ones_bit_for_bit(monkeyp
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("warp_pass", WARP_IMAGE_PASSES)
 @pytest.mark.parametrize("grid, pbc", [((1, 1, 1), (True, True, True)), ((2, 1, 2), (True, True, True)), ((2, 2, 1), (True, False, True))])
-def test_warp_images_skip_only_atoms_that_have_none(monkeypatch, grid, pbc):
+def test_warp_images_skip_only_atoms_that_have_none(monkeypatch, grid, pbc, warp_pass):
     """The Warp kernels skip atoms deep inside their own brick: the images stay those of the torch path, bit for bit.
 
     The cell is large against the width, so many atoms have no image (the skip is taken) and many have some.
     """
+    _take_image_pass(warp_pass, monkeypatch)
     system = triclinic_nacl(repeat=(8, 8, 8), seed=7).replace(pbc=torch.tensor(pbc))
     part, wrapped, image, owner = _partitioned(system, grid)
     home, _ = part.nearest_image(wrapped, part.brick_index_of_rank(owner))

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from halopipe import neighbors
+from halopipe.kernels import pairs as pair_kernels
 from halopipe.neighbors import VerletList, neighbor_list, owned_pairs, owned_pairs_cell_list
 
 
@@ -133,7 +134,7 @@ def test_every_path_of_the_warp_search_gives_the_pairs_grouped_by_owned_row(sear
     buffer; one pass into per-row slots (a GPU), and its fallback when a row has more partners than slots; two passes."""
 
     if search in ("slots", "a_row_overflows_its_slots"):
-        monkeypatch.setattr(neighbors, "PACK_IN_ORDER", False)
+        monkeypatch.setattr(pair_kernels, "PACK_IN_ORDER", False)
     if search in ("packed_past_its_buffer", "a_row_overflows_its_slots"):
         monkeypatch.setattr(neighbors, "_slot_capacity", lambda *args: 3)
     elif search == "two_passes":
@@ -173,7 +174,7 @@ def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
     if kernels == "warp_two_passes":
         monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
     elif kernels == "warp_slots":  # a GPU's one pass into slots, then packed
-        monkeypatch.setattr(neighbors, "PACK_IN_ORDER", False)
+        monkeypatch.setattr(pair_kernels, "PACK_IN_ORDER", False)
     monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes").removesuffix("_slots"))
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()
@@ -303,7 +304,7 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first,
     if kernels == "warp_two_passes":
         monkeypatch.setattr(neighbors, "PAIR_SLOT_BYTES", 0)
     elif kernels == "warp_slots":  # a GPU's one pass into slots, then packed
-        monkeypatch.setattr(neighbors, "PACK_IN_ORDER", False)
+        monkeypatch.setattr(pair_kernels, "PACK_IN_ORDER", False)
     monkeypatch.setenv("HALOPIPE_KERNELS", kernels.removesuffix("_two_passes").removesuffix("_slots"))
     backend.warp_module.cache_clear()
     pairs.warp_kernel.cache_clear()

@@ -2,9 +2,10 @@
 
 One thread per atom walks its candidate (brick, lattice image) combinations
 axis by axis, entering the next axis only where the current one is within the
-width, so it visits the few candidates an atom really has. Two passes, as the
-pair lists: one counts each atom's images, a prefix sum makes the offsets, the
-other writes them. An owned atom deeper inside its own brick than the width
+width, so it visits the few candidates an atom really has. On the CPU one pass
+writes them packed, as the pair lists do (:mod:`._warp_lists`: a CPU launch
+runs its threads in order); on a GPU two: one counts each atom's images, a
+prefix sum makes the offsets, the other writes them. An owned atom deeper inside its own brick than the width
 has none, and both passes skip it at once (on one rank, Lennard-Jones 32k:
 about half the atoms; the plan's images 3.3 -> 2.2 ms a rebuild). The order
 (by atom, then brick and image along axis 0, 1, 2) and the arithmetic are
@@ -64,14 +65,22 @@ def _deeper_than(
     return wp.min(wp.min(d0, d1), d2) > width * wp.float64(1.0 + 1e-9) + wp.float64(1e-9)
 
 
-def _images_near_bricks(write: bool):
-    """Count (``write`` False) or write each atom's images within ``width`` of some brick, from ``offsets[atom]``.
+COUNT, FILL, PACKED = 0, 1, 2
 
-    ``reach[a]`` bounds the lattice images ``-reach[a] .. reach[a]`` along axis
-    ``a`` (0 where it is not periodic). With ``exclude``, the image at which
-    an atom is an owned row of its owner's brick (``own_rank``, ``own_image``)
-    is left out.
+
+def _images_near_bricks(mode: int):
+    """Count (``COUNT``) or write (``FILL``, from ``offsets[atom]``) each atom's images within ``width`` of some brick.
+
+    ``PACKED`` (the CPU only, where a launch runs its threads in order)
+    writes them in the one pass, from the cursor ``counts[0]`` on while
+    within the outputs' length, stores each atom's start in ``offsets`` and
+    moves the cursor past its images (counting on past the outputs), as the
+    pair search does (:mod:`._warp_lists`). ``reach[a]`` bounds the lattice
+    images ``-reach[a] .. reach[a]`` along axis ``a`` (0 where it is not
+    periodic). With ``exclude``, the image at which an atom is an owned row
+    of its owner's brick (``own_rank``, ``own_image``) is left out.
     """
+    write = mode != COUNT
 
     @wp.kernel
     def images(
@@ -97,16 +106,22 @@ def _images_near_bricks(write: bool):
         i = wp.tid()
         w = wrapped[i]
         n = wp.int32(0)
-        if wp.static(write):
+        limit = atom_out.shape[0]
+        if wp.static(mode == FILL):
             n = offsets[i]
             if offsets[i + 1] == n:  # no images (most atoms inside a brick)
                 return
-        elif exclude != 0:
-            home = own_image[i]
-            owned = w + wp.vec3d(wp.float64(home[0]), wp.float64(home[1]), wp.float64(home[2]))
-            if _deeper_than(owned, own_rank[i], grid, bounds0, bounds1, bounds2, heights, width):
-                counts[i] = 0
-                return
+        if wp.static(mode == PACKED):
+            n = counts[0]
+            offsets[i] = n
+        if wp.static(mode != FILL):
+            if exclude != 0:
+                home = own_image[i]
+                owned = w + wp.vec3d(wp.float64(home[0]), wp.float64(home[1]), wp.float64(home[2]))
+                if _deeper_than(owned, own_rank[i], grid, bounds0, bounds1, bounds2, heights, width):
+                    if wp.static(mode == COUNT):
+                        counts[i] = 0
+                    return
         b0 = int(0)  # noqa: UP018 - Warp: a dynamic variable (while loops, not range: see the module docstring)
         while b0 < grid[0]:
             s0 = -reach[0]
@@ -133,10 +148,11 @@ def _images_near_bricks(write: bool):
                                                     keep = False
                                             if keep:
                                                 if wp.static(write):
-                                                    atom_out[n] = wp.int64(i)
-                                                    rank_out[n] = wp.int64(rank)
-                                                    shift_out[n] = wp.vec3i(s0, s1, s2) - image[i]
-                                                    distance_out[n] = wp.max(wp.max(e0, e1), e2)
+                                                    if n < limit:
+                                                        atom_out[n] = wp.int64(i)
+                                                        rank_out[n] = wp.int64(rank)
+                                                        shift_out[n] = wp.vec3i(s0, s1, s2) - image[i]
+                                                        distance_out[n] = wp.max(wp.max(e0, e1), e2)
                                                 n += 1
                                         s2 += 1
                                     b2 += 1
@@ -144,14 +160,17 @@ def _images_near_bricks(write: bool):
                         b1 += 1
                 s0 += 1
             b0 += 1
-        if not wp.static(write):
+        if wp.static(mode == COUNT):
             counts[i] = n
+        elif wp.static(mode == PACKED):
+            counts[0] = n
 
     return images
 
 
-images_near_bricks_count = _images_near_bricks(write=False)
-images_near_bricks_fill = _images_near_bricks(write=True)
+images_near_bricks_count = _images_near_bricks(COUNT)
+images_near_bricks_fill = _images_near_bricks(FILL)
+images_near_bricks_packed = _images_near_bricks(PACKED)
 
 
 @wp.func

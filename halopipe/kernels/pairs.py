@@ -169,6 +169,22 @@ def warp_kernel(name: str, source: str = "_warp_pairs"):
         return None
 
 
+PACK_IN_ORDER = True
+"""Whether Warp kernels that make variable-length outputs (pair lists, halo images) write them packed in one pass on the CPU.
+
+A CPU launch runs its threads one after another, in order, so thread ``i``
+can start writing where thread ``i - 1`` stopped. On a GPU threads run at
+once, so there (or with this False, as tests do to run those paths on the
+CPU) the outputs are counted or slotted first and written or packed in a
+second pass.
+"""
+
+
+def packs_in_order(device: torch.device) -> bool:
+    """Whether the Warp kernels on ``device`` write variable-length outputs packed in one pass (:data:`PACK_IN_ORDER`)."""
+    return PACK_IN_ORDER and device.type == "cpu"
+
+
 def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: list) -> None:
     """Launch a Warp kernel over ``n_pairs`` threads on torch's device and stream.
 
