@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.backend import warp_module
-from .kernels.pairs import launch, packs_in_order, warp_kernel
+from .kernels.pairs import launch, launch_packed, packs_in_order, warp_kernel
 
 __all__ = ["Geometry", "Partition", "Placement", "choose_grid", "ImageSet", "images_near_bricks"]
 
@@ -370,13 +370,9 @@ def _warp_images_near_bricks(
         as32(home),
     ]
     if packs_in_order(device):
-        offsets = torch.empty(n + 1, dtype=torch.int32, device=device)
-        cursor = torch.zeros(1, dtype=torch.int32, device=device)
         per_atom, besides = PACKED_IMAGES_ROOM
         outputs = _image_outputs(per_atom * n + besides, device)
-        launch(warp_kernel("images_near_bricks_packed", _GEOMETRY), n, device, inputs, [offsets, *outputs, cursor])
-        total = int(cursor[0])
-        offsets[n] = total
+        offsets, total = launch_packed(warp_kernel("images_near_bricks_packed", _GEOMETRY), n, device, inputs, outputs)
         if total <= outputs[0].shape[0]:
             atom, rank, shift, distance = (x[:total] for x in outputs)
             return ImageSet(atom=atom, rank=rank, shift=shift.to(torch.int64), distance=distance)

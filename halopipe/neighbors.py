@@ -27,7 +27,7 @@ import torch
 from vesin import NeighborList as _VesinNeighborList
 
 from .kernels.backend import warp_module
-from .kernels.pairs import group_by_row, launch, packs_in_order, rows_of_groups, warp_kernel
+from .kernels.pairs import group_by_row, launch, launch_packed, packs_in_order, rows_of_groups, warp_kernel
 from .scratch import ScratchPool
 from .sorting import stable_argsort
 
@@ -327,16 +327,19 @@ def _cube_edge(cutoff: float, density: float) -> float:
     """The search's cube edge: a hair over the cutoff, or over half of it where a cutoff sphere holds many rows.
 
     A row scans (2 r + 1)^2 lines of cubes (r = 1 or 2 cubes of reach), each
-    costing a set-up (its trim to the sphere: ~20 ns on one AMD EPYC thread)
-    besides its rows (~2.8 ns each); cubes of edge ``cutoff`` scan 9 lines of
-    about 9 rho rc^3 rows in all, cubes of ``cutoff / 2`` 25 lines of 6.25 rho rc^3.
+    costing a set-up (its trim to the sphere) besides its rows (~2.5 ns each
+    on one AMD EPYC thread); cubes of edge ``cutoff`` scan 9 lines of about 9
+    rho rc^3 rows in all, cubes of ``cutoff / 2`` 25 lines of 6.25 rho rc^3.
     Measured on the one-pass search with its ``while`` loop over candidates
     (cheaper rows shift the balance to fewer lines), one AMD EPYC thread, the
     demo's NaCl of 8,000 owned rows: cubes of the cutoff take 11-15 % less at
     11 Å (~250 rows a sphere: the one-holder list 12.6 -> 10.7 ms) and 4-8 %
     less at 12 Å (~320); at 13 Å (~410) it depends on the list; half cubes take
     4-8 % less at 15 Å (~630) and 9-13 % at 21 Å (~1,700). Lennard-Jones argon
-    at 9.5 Å (~100 rows): half cubes 38-41 % slower. The hair keeps the reach
+    at 9.5 Å (~100 rows): half cubes 38-41 % slower. Re-checked once the
+    search worked out a row's line ranges before scanning them (cheaper
+    lines): half cubes 18-23 % slower on LJ, even at 11 Å, 3-41 % faster at
+    13 Å, 11-15 % at 15 Å; the crossover stays. The hair keeps the reach
     at 1 or 2 cubes whatever the rounding of the binning.
     """
     sphere_rows = density * 4.0 / 3.0 * math.pi * cutoff**3
@@ -414,16 +417,12 @@ def _owned_half_packed(kernels: str, n_owned: int, device: torch.device, inputs:
     """
     budget = n_owned * capacity
     buffer = pool.take_flat(budget, torch.int32, device)
-    start = torch.empty(n_owned + 1, dtype=torch.int32, device=device)
-    cursor = torch.zeros(1, dtype=torch.int32, device=device)
-    launch(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, [*inputs, budget, start], [buffer, cursor])
-    total = int(cursor[0])
-    start[n_owned] = total
+    start, total = launch_packed(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, [*inputs, budget], [buffer])
     if total <= budget:
         partners = buffer[:total].clone()
     else:
         partners = torch.empty(total, dtype=torch.int32, device=device)
-        launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, cursor[:0]])
+        launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, start[:0]])
     pool.give_flat(buffer)
     return GroupedPairs(partners, start)
 
@@ -444,12 +443,8 @@ def _filtered(kernels: str, listed: GroupedPairs, device: torch.device, inputs: 
     if listed.n_pairs * 4 > PAIR_SLOT_BYTES:
         return _grouped_two_passes(kernels, n_owned, device, inputs)
     if packs_in_order(device):
-        start = torch.empty(n_owned + 1, dtype=torch.int32, device=device)
         kept = torch.empty(listed.n_pairs, dtype=torch.int32, device=device)  # a row keeps at most its pairs: always fits
-        cursor = torch.zeros(1, dtype=torch.int32, device=device)
-        launch(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, [*inputs, start], [kept, cursor])
-        total = int(cursor[0])
-        start[n_owned] = total
+        start, total = launch_packed(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, inputs, [kept])
         return GroupedPairs(kept[:total].clone() if 2 * total < listed.n_pairs else kept[:total], start)
     counts = torch.empty(n_owned, dtype=torch.int32, device=device)
     slots = torch.empty(listed.n_pairs, dtype=torch.int32, device=device)

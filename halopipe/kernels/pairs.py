@@ -185,6 +185,22 @@ def packs_in_order(device: torch.device) -> bool:
     return PACK_IN_ORDER and device.type == "cpu"
 
 
+def launch_packed(kernel, n_threads: int, device: torch.device, inputs: list, outputs: list) -> tuple[torch.Tensor, int]:
+    """Launch a packing Warp kernel (``PACKED`` mode, in order on the CPU) and return each thread's start and the total.
+
+    The kernel takes ``inputs``, then ``offsets`` (each thread's start, written),
+    then ``outputs`` (written from the cursor on while within their length),
+    then the one-element cursor. The total may exceed the outputs' length; the
+    starts are right either way (``offsets[n_threads]`` is the total).
+    """
+    offsets = torch.empty(n_threads + 1, dtype=torch.int32, device=device)
+    cursor = torch.zeros(1, dtype=torch.int32, device=device)
+    launch(kernel, n_threads, device, [*inputs, offsets], [*outputs, cursor])
+    total = int(cursor[0])
+    offsets[n_threads] = total
+    return offsets, total
+
+
 def launch(kernel, n_pairs: int, device: torch.device, inputs: list, outputs: list) -> None:
     """Launch a Warp kernel over ``n_pairs`` threads on torch's device and stream.
 
