@@ -216,11 +216,10 @@ class BatchDomain(LocalDomain):
         self._pair_lists_of_plan: dict = {}
         self.plan_version = next_plan_version()
 
-    def row_offsets(self, cell: torch.Tensor, n_ghost: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``owned_shift @ cell`` and ``ghost_shift @ cell`` with each row's own system's cell (``cell``: (B, 3, 3))."""
-        owned = torch.einsum("ni,nij->nj", self.owned_shift.to(cell.dtype), cell[self.system])
-        ghosts = torch.einsum("ni,nij->nj", self.ghost_shift[:n_ghost].to(cell.dtype), cell[self.ghost_system[:n_ghost]])
-        return owned, ghosts
+    def row_offsets(self, cell: torch.Tensor, n_ghost: int) -> torch.Tensor:
+        """``shift @ cell`` of the owned rows, then of the first ``n_ghost`` ghost rows, each by its system's cell ``(B, 3, 3)``."""
+        shifts = torch.cat([self.owned_shift, self.ghost_shift[:n_ghost]]).to(cell.dtype)
+        return torch.einsum("ni,nij->nj", shifts, cell[self.row_systems(n_ghost)])
 
     def row_systems(self, n_ghost: int) -> torch.Tensor:
         """System index of the owned rows and the first ``n_ghost`` ghost rows."""

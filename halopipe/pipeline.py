@@ -531,9 +531,8 @@ def build_view(
     model = step.model
     n = domain.n_owned
     n_ghost = domain.ghost_count(width)
-    owned_offset, ghost_offset = domain.row_offsets(cell, n_ghost)
     ghosts = domain.ghost_rows(positions, width) if ghost_positions is None else ghost_positions[:n_ghost]
-    rows = torch.cat([positions + owned_offset, ghosts + ghost_offset])
+    rows = domain.placed_rows(positions, ghosts, cell)
 
     def refresh(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, domain.ghost_rows(x, width)])
