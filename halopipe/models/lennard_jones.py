@@ -119,9 +119,8 @@ class LennardJones(Model):
         """The list this view's pairs are evaluated over: its one-holder list (a domain's view), else its half list."""
         return self._once.get(view, one_holder=view.one_holder is not None)
 
-    def _view_tables(self, view: LocalView) -> LJTables:
-        """The view's parameter tables, checked against its pairs, remade only when its candidate list changes (a rebuild)."""
-        key = self._evaluated_list(view)
+    def _view_tables(self, view: LocalView, key: HalfList) -> LJTables:
+        """The view's parameter tables, checked against the pairs ``key`` it evaluates, remade only when they change (a rebuild)."""
         cached = self._cached
         if cached is not None and cached[0] is key:
             return cached[1]
@@ -139,11 +138,11 @@ class LennardJones(Model):
         return tables
 
     def forward(self, view: LocalView, direct: bool = False) -> ModelOutput:
-        tables = self._view_tables(view)
+        pairs = self._once.get(view, one_holder=True) if direct else self._evaluated_list(view)
+        tables = self._view_tables(view, pairs)
         if not direct:
             energies = pair_energies_once(view, self._once, lambda half, m: lj_energies_autograd(view.positions, half, tables, m))
             return ModelOutput(energies=energies)
-        once = self._once.get(view, one_holder=True)
-        energies, forces, virial = lj_direct(view.positions, once, tables, view.n_owned, energy=view.need_energy, virial=view.need_virial)
+        energies, forces, virial = lj_direct(view.positions, pairs, tables, view.n_owned, energy=view.need_energy, virial=view.need_virial)
         forces, energies = fold_ghost_shares(view, forces, energies)
         return ModelOutput(energies=energies, forces=forces, virial=virial)
