@@ -330,3 +330,35 @@ def unchanged_script(skin: float = 0.5) -> dict:
         "shape": tuple(out["forces"].shape),
         "mismatch": mismatch,
     }
+
+
+def halo_rows_of_every_shape(width: float) -> dict:
+    """Refresh and fold of per-atom tensors of several row shapes, against references made from global ids alone.
+
+    Values are small integers (exact in float64 whatever the order of a sum):
+    a refreshed ghost row must be its owner's row, found by id; a folded
+    owned row must be the sum of every rank's ghost rows of that atom, added
+    up here with numpy from all ranks' (id, value) lists.
+    """
+    system = make_system("triclinic")
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=0.0, timeout=60))
+    sharded.prepare(width)
+    ids, ghost_ids = sharded.ids, sharded.ghost_ids[: sharded.ghost_count(width)]
+    out = {"ghosts": int(ghost_ids.numel()), "refresh": True, "fold": True}
+    for shape in [(), (3,), (4,), (2, 3)]:
+        width_of_row = int(np.prod(shape, dtype=int))
+        code = torch.arange(width_of_row, dtype=torch.float64).reshape(shape)
+
+        def values(of_ids, salt):
+            return (of_ids.to(torch.float64) * 7 + salt).reshape((-1,) + (1,) * len(shape)) + code
+
+        refreshed = sharded.ghost_rows(values(ids, 1), width)
+        out["refresh"] &= torch.equal(refreshed, values(ghost_ids, 1))
+        ghost_values = values(ghost_ids, 0) + torch.arange(ghost_ids.numel(), dtype=torch.float64).reshape((-1,) + (1,) * len(shape)) % 5
+        folded = sharded.fold_ghosts(ghost_values, width)
+        everyone = sharded.comm.all_gather_object((ghost_ids.numpy(), ghost_values.reshape(ghost_ids.numel(), -1).numpy()))
+        expected = np.zeros((system.n_atoms, max(width_of_row, 1)))
+        for their_ids, their_values in everyone:
+            np.add.at(expected, their_ids, their_values)
+        out["fold"] &= bool(np.array_equal(folded.reshape(ids.numel(), -1).numpy(), expected[ids.numpy()]))
+    return out

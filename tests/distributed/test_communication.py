@@ -3,7 +3,7 @@ import pytest
 from halopipe.distributed.launch import spawn
 
 from ._lifetime_workers import many_scatters
-from ._workers import autograd_collectives, comm_volume, failure
+from ._workers import autograd_collectives, comm_volume, failure, halo_rows_of_every_shape
 
 
 @pytest.mark.timeout(200)
@@ -71,3 +71,13 @@ def test_many_scatters_reuse_one_process_group():
         threads_first, threads_last = r["threads"]
         assert fds_last <= fds_first + 4, r
         assert threads_last <= threads_first + 1, r
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_refresh_and_fold_move_rows_of_any_shape_to_and_from_their_owners(nproc):
+    """Ghost rows of 1-D, (3,), (4,) and (2, 3) rows are their owners' rows, and a fold sums them home (ids as the reference)."""
+    results = spawn(halo_rows_of_every_shape, nproc, 6.0, timeout=180)
+    assert sum(r["ghosts"] for r in results) > 0
+    for r in results:
+        assert r["refresh"] and r["fold"], r
