@@ -347,14 +347,10 @@ def halo_rows_of_every_shape(width: float) -> dict:
     out = {"ghosts": int(ghost_ids.numel()), "refresh": True, "fold": True}
     for shape in [(), (3,), (4,), (2, 3)]:
         width_of_row = int(np.prod(shape, dtype=int))
-        code = torch.arange(width_of_row, dtype=torch.float64).reshape(shape)
-
-        def values(of_ids, salt):
-            return (of_ids.to(torch.float64) * 7 + salt).reshape((-1,) + (1,) * len(shape)) + code
-
-        refreshed = sharded.ghost_rows(values(ids, 1), width)
-        out["refresh"] &= torch.equal(refreshed, values(ghost_ids, 1))
-        ghost_values = values(ghost_ids, 0) + torch.arange(ghost_ids.numel(), dtype=torch.float64).reshape((-1,) + (1,) * len(shape)) % 5
+        refreshed = sharded.ghost_rows(_rows_of_ids(ids, shape, 1), width)
+        out["refresh"] &= torch.equal(refreshed, _rows_of_ids(ghost_ids, shape, 1))
+        per_image = (torch.arange(ghost_ids.numel(), dtype=torch.float64) % 5).reshape((-1,) + (1,) * len(shape))  # images differ
+        ghost_values = _rows_of_ids(ghost_ids, shape, 0) + per_image
         folded = sharded.fold_ghosts(ghost_values, width)
         everyone = sharded.comm.all_gather_object((ghost_ids.numpy(), ghost_values.reshape(ghost_ids.numel(), -1).numpy()))
         expected = np.zeros((system.n_atoms, max(width_of_row, 1)))
@@ -362,3 +358,9 @@ def halo_rows_of_every_shape(width: float) -> dict:
             np.add.at(expected, their_ids, their_values)
         out["fold"] &= bool(np.array_equal(folded.reshape(ids.numel(), -1).numpy(), expected[ids.numpy()]))
     return out
+
+
+def _rows_of_ids(ids: torch.Tensor, shape: tuple, salt: int) -> torch.Tensor:
+    """Rows of ``shape`` with small integer values made from each row's id: ``7 id + salt + k`` at the row's k-th element."""
+    code = torch.arange(int(np.prod(shape, dtype=int)), dtype=torch.float64).reshape(shape)
+    return (ids.to(torch.float64) * 7 + salt).reshape((-1,) + (1,) * len(shape)) + code
