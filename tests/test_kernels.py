@@ -67,6 +67,30 @@ def test_weighted_backward_matches_autograd_of_pair_formula(backend):
     torch.testing.assert_close(grad_kernel, grad_ref, atol=1e-13, rtol=0)
 
 
+def test_launches_on_tensors_of_one_layout_give_each_its_own_forces_and_pin_none(backend):
+    """Warp's array descriptors are kept by memory layout (``kernels.pairs``): several position arrays of one shape, all
+    alive at once (each at its own address), each get their own forces, against ASE; the kept descriptors hold no
+    tensor (Warp's own descriptor references its tensor, which would keep every launched array alive)."""
+    atoms = _argon()
+    atoms.pbc = False
+    rows0 = torch.tensor(atoms.positions, dtype=torch.float64)
+    n = rows0.shape[0]
+    half = pair_kernels.HalfList.from_pairs(owned_half_pairs(rows0, n, 7.0), n, True)
+    tables = LennardJones(0.0103, 3.4, 6.0)._tables(torch.tensor([18]), torch.float64)
+    rng = np.random.default_rng(5)
+    arrays = []
+    for k in range(4):
+        moved = atoms.copy()
+        moved.positions += rng.normal(scale=0.02, size=moved.positions.shape)  # within the 1 Å the list has to spare
+        moved.calc = AseLJ(sigma=3.4, epsilon=0.0103, rc=6.0)
+        arrays.append(torch.tensor(moved.positions, dtype=torch.float64))
+        _, forces, _ = lj_kernels.lj_direct(arrays[-1], half, tables, n, energy=False, virial=False)
+        np.testing.assert_allclose(forces.numpy(), moved.get_forces(), atol=1e-12, err_msg=f"array {k}")
+    kept = list(pair_kernels._DESCRIPTORS.values())
+    assert backend == "torch" or kept
+    assert all(getattr(d, "_ref", None) is None for d in kept)
+
+
 def test_half_list_holds_each_owned_pair_once():
     """10 of 32 rows owned: every pair within the cutoff with an owned end, once, against all distances by cdist."""
     rows = torch.tensor(_argon(repeat=2).positions, dtype=torch.float64)
