@@ -257,6 +257,6 @@ def _descriptor(wp, kernel, kinds: tuple, index: int, x: torch.Tensor):
 
 _DESCRIPTORS: dict[tuple, object] = {}
 """Array descriptors by memory layout (:func:`_descriptor`): a step's lists and tables keep their tensors between
-rebuilds, and its fresh outputs often take the memory the last step's freed. Converting a tensor took ~3 µs, a
+rebuilds, and its fresh outputs often take the memory the last step freed. Converting a tensor took ~3 µs, a
 lookup ~0.5 (LJ's launch: 20 -> 6 µs of descriptors)."""
 _DESCRIPTORS_KEPT = 512
