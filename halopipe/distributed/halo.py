@@ -241,7 +241,7 @@ class HaloGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.plan.backward_rows(grad.contiguous(), ctx.n_owned, ctx.limit), None, None, None
+        return ctx.plan.backward_rows(grad, ctx.n_owned, ctx.limit), None, None, None
 
 
 class HaloFold(torch.autograd.Function):
@@ -250,8 +250,8 @@ class HaloFold(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_ghost, plan: HaloPlan, n_owned: int, limit: float):
         ctx.plan, ctx.limit = plan, limit
-        return plan.backward_rows(x_ghost.contiguous(), n_owned, limit)
+        return plan.backward_rows(x_ghost, n_owned, limit)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.plan.forward_rows(grad.contiguous(), ctx.limit), None, None, None
+        return ctx.plan.forward_rows(grad, ctx.limit), None, None, None
