@@ -409,21 +409,23 @@ def _owned_half_one_pass(
 
 
 def _owned_half_packed(kernels: str, n_owned: int, device: torch.device, inputs: list, capacity: int, pool: ScratchPool) -> GroupedPairs:
-    """The owned-centred search on the CPU, written packed in one pass (``PACKED``: rows run in order), then copied out of the buffer.
+    """The owned-centred search on the CPU, written packed in one pass (``PACKED``: rows run in order) into a buffer the list keeps.
 
     The buffer holds ``capacity`` partners a row on average, the slots' size
     on a GPU; should the rows' pairs outnumber it, their starts are still
-    right, so one more pass (``FILL``) writes them.
+    right, so one more pass (``FILL``) writes them. ``pool`` lends the buffer
+    (:meth:`~halopipe.scratch.ScratchPool.lend_flat`): the list is a view of
+    it, and once the list is gone a later search writes there again. A copy
+    out into a fresh list cost LJ 32k 1.8 ms a rebuild on one AMD EPYC
+    thread, mostly its pages faulting.
     """
     budget = n_owned * capacity
-    buffer = pool.take_flat(budget, torch.int32, device)
+    buffer = pool.lend_flat(budget, torch.int32, device)
     start, total = launch_packed(warp_kernel(f"{kernels}_packed", _LISTS), n_owned, device, [*inputs, budget], [buffer])
     if total <= budget:
-        partners = buffer[:total].clone()
-    else:
-        partners = torch.empty(total, dtype=torch.int32, device=device)
-        launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, start[:0]])
-    pool.give_flat(buffer)
+        return GroupedPairs(buffer[:total], start)
+    partners = torch.empty(total, dtype=torch.int32, device=device)
+    launch(warp_kernel(f"{kernels}_fill", _LISTS), n_owned, device, [*inputs, 0, start], [partners, start[:0]])
     return GroupedPairs(partners, start)
 
 
@@ -619,7 +621,7 @@ class PairLists:
     def __init__(self) -> None:
         self._lists: dict = {}
         self._version: int | None = None
-        self._scratch = ScratchPool(keep=1)  # the search's per-row slots, from rebuild to rebuild
+        self._scratch = ScratchPool(keep=2)  # the search's buffers from rebuild to rebuild (lent to its lists): two lists a rebuild
         self._widest_row: dict[tuple[float, str], int] = {}  # the last search's most pairs of a row, per (cutoff, kind)
 
     def candidates(

@@ -151,6 +151,32 @@ def test_every_path_of_the_warp_search_gives_the_pairs_grouped_by_owned_row(sear
     assert torch.equal(start[1:].long(), torch.cumsum(torch.bincount(got[0], minlength=n_owned), 0))
 
 
+def _brute_force_half_pairs(rows: torch.Tensor, n_owned: int, cutoff: float) -> set[tuple[int, int]]:
+    i, j = torch.nonzero(torch.cdist(rows, rows) <= cutoff, as_tuple=True)
+    return {(int(a), int(b)) for a, b in zip(i, j) if a < b and a < n_owned}
+
+
+def test_a_kept_list_is_never_written_over_by_later_searches_and_its_memory_serves_one_once_it_is_gone():
+    """The CPU search's list is a view of a buffer its pool lends: a later search on other rows must not write into a
+    list still held, and once the list is dropped, a search writes into its memory again (no fresh pages)."""
+    from halopipe.scratch import ScratchPool
+
+    assert pair_kernels.packs_in_order(torch.device("cpu")) and pair_kernels.warp_kernel("owned_half_packed", neighbors._LISTS) is not None
+    pool, rng = ScratchPool(keep=2), np.random.default_rng(5)
+    rows = [torch.tensor(rng.uniform(-2, 12, (400, 3))) for _ in range(3)]
+    held = neighbors.grouped_owned_half_pairs(rows[0], 150, 3.1, pool=pool)
+    want = _brute_force_half_pairs(rows[0], 150, 3.1)
+    address = held.partners.data_ptr()
+    second = neighbors.grouped_owned_half_pairs(rows[1], 150, 3.1, pool=pool)
+    assert second.partners.data_ptr() != address
+    assert {(min(a, b), max(a, b)) for a, b in held.pairs.T.tolist()} == want  # still the first rows' pairs
+    del held
+    third = neighbors.grouped_owned_half_pairs(rows[2], 150, 3.1, pool=pool)
+    assert third.partners.data_ptr() == address
+    assert {(min(a, b), max(a, b)) for a, b in third.pairs.T.tolist()} == _brute_force_half_pairs(rows[2], 150, 3.1)
+    assert {(min(a, b), max(a, b)) for a, b in second.pairs.T.tolist()} == _brute_force_half_pairs(rows[1], 150, 3.1)
+
+
 def _view_rows(domain, width: float) -> torch.Tensor:
     """Owned rows then the ghost rows within ``width``, as a view builds them."""
     pos, cell = domain.positions, domain.cell
