@@ -27,7 +27,7 @@ import torch
 
 from ..geometry import ImageSet
 from ..sorting import stable_argsort
-from .comm import Comm
+from .comm import Comm, Gathered
 
 __all__ = ["HaloPlan", "HaloGather", "HaloFold"]
 
@@ -140,15 +140,20 @@ class HaloPlan:
         (:meth:`_take_rows`).
         """
         send, recv, _ = self.counts(limit)
-        me = self.comm.rank
-        arrived = []
-        if self.comm.distributed:  # every rank makes each exchange, so the message tags stay in step
-            sends = {d: self._take_rows(x, ("send", d, limit), self.send_index[d][:k]) for d, k in send.items() if d != me}
-            shapes = {s: (k,) + tuple(x.shape[1:]) for s, k in recv.items() if s != me}
-            got = self.comm.exchange(sends, shapes, x.dtype, x.device)
+        me, x = self.comm.rank, x.contiguous()
+        sources = self.ghost_sources(limit, x.shape[0])
+
+        def place(got: dict[int, torch.Tensor]) -> torch.Tensor:
             arrived = [got[s] for s in sorted(got) if got[s].shape[0]]
-        rows = torch.cat([x, *arrived]) if arrived else x
-        return self._take_rows(rows, ("sources", limit), self.ghost_sources(limit, x.shape[0]))
+            return self._take_rows(torch.cat([x, *arrived]) if arrived else x, ("sources", limit), sources)
+
+        if not self.comm.distributed:
+            return place({})
+        # Every rank makes each exchange, so the message tags stay in step; rows go straight into, and are read straight
+        # out of, shared memory where they go that way (Comm.exchange).
+        sends = {d: self._gathered(x, ("send", d, limit), self.send_index[d][:k]) for d, k in send.items() if d != me}
+        shapes = {s: (k,) + tuple(x.shape[1:]) for s, k in recv.items() if s != me}
+        return self.comm.exchange(sends, shapes, x.dtype, x.device, consume=place)
 
     def ghost_sources(self, limit: float, n_owned: int) -> torch.Tensor:
         """Each ghost row's (within ``limit``) row among the owned rows followed by the peers' arrived rows (ascending peer).
@@ -184,15 +189,18 @@ class HaloPlan:
         if self.ghost_owner is not None:  # one process: each ghost row's source is an owned row
             return self._add_rows(out, ("sources", limit), self.ghost_sources(limit, n_owned), g[:n_ghost])
         me = self.comm.rank
-        sends = {s: self._take_rows(g, ("slot", s, limit), self.recv_slot[s][:k]) for s, k in recv.items() if s != me}
+
+        def add(got: dict[int, torch.Tensor]) -> torch.Tensor:
+            if recv.get(me):
+                got[me] = self._take_rows(g, ("slot", me, limit), self.recv_slot[me][: recv[me]])
+            for d in sorted(send):
+                if send[d]:
+                    self._add_rows(out, ("send", d, limit), self.send_index[d][: send[d]], got[d])
+            return out
+
+        sends = {s: self._gathered(g, ("slot", s, limit), self.recv_slot[s][:k]) for s, k in recv.items() if s != me}
         shapes = {d: (k,) + tuple(g.shape[1:]) for d, k in send.items() if d != me}
-        got = self.comm.exchange(sends, shapes, g.dtype, g.device)
-        if recv.get(me):
-            got[me] = self._take_rows(g, ("slot", me, limit), self.recv_slot[me][: recv[me]])
-        for d in sorted(send):
-            if send[d]:
-                self._add_rows(out, ("send", d, limit), self.send_index[d][: send[d]], got[d])
-        return out
+        return self.comm.exchange(sends, shapes, g.dtype, g.device, consume=add)
 
     def _elements(self, key: tuple, rows: torch.Tensor, width: int) -> torch.Tensor:
         """Flat indices of the elements of ``rows`` in a contiguous array of ``width`` elements a row, made once per plan and ``key``."""
@@ -214,6 +222,12 @@ class HaloPlan:
             return x.index_select(0, rows)
         flat = x.contiguous().view(-1).index_select(0, self._elements(key, rows, width))
         return flat.view((rows.shape[0],) + tuple(x.shape[1:]))
+
+    def _gathered(self, x: torch.Tensor, key: tuple, rows: torch.Tensor) -> Gathered:
+        """The message ``x.index_select(0, rows)`` of contiguous ``x`` (:meth:`_take_rows`), gathered where it is sent."""
+        width = math.prod(x.shape[1:])
+        elements = rows if width == 1 else self._elements(key, rows, width)
+        return Gathered(x, elements, (rows.shape[0],) + tuple(x.shape[1:]))
 
     def _add_rows(self, out: torch.Tensor, key: tuple, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``out.index_add_(0, rows, values)`` through element indices (:meth:`_take_rows`); ``out`` is contiguous."""

@@ -16,14 +16,16 @@ happens to the processes). It holds
 * per rank, a reduction slot;
 * per ordered pair of ranks ``(src, dst)``, a mailbox: a ``sent`` counter that
   ``src`` bumps after writing a message, a ``taken`` counter that ``dst``
-  bumps after copying it out, and the message buffer.
+  bumps once it has read it, and the message buffer.
 
 A reduction is: wait until every rank finished reading the previous one
 (``done``), write my slot, bump ``posted``, wait until every rank posted,
 sum the slots in rank order (so every rank gets bitwise the same result),
 bump ``done``. A message is: wait until the receiver took my previous one,
-write, bump ``sent``; the receiver waits for ``sent``, copies, bumps
-``taken``. Both sides know every message's size (as with gloo), so both
+write, bump ``sent``; the receiver waits for ``sent``, copies it out (or
+reads it where it lies: the halo's refresh and fold), bumps ``taken``. A
+sender may also make the message in the mailbox (the halo gathers its rows
+there). Both sides know every message's size (as with gloo), so both
 route it the same way: a message or reduction larger than the buffers goes
 through gloo, and so does everything else (broadcasts, all-to-all, objects).
 
@@ -42,6 +44,7 @@ peer reported, a peer that died, or the timeout.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import platform
@@ -186,10 +189,13 @@ class SharedMemory:
 
     def send(self, dst: int, x: torch.Tensor, wait) -> None:
         """Write the CPU tensor ``x`` (any strides) to ``dst``'s mailbox from this rank (caller checks :meth:`fits`)."""
+        self.send_made(dst, tuple(x.shape), x.dtype, lambda box: box.copy_(x), wait)
+
+    def send_made(self, dst: int, shape: tuple, dtype: torch.dtype, make, wait) -> None:
+        """Send ``dst`` a message of ``shape`` and ``dtype`` that ``make(box)`` writes straight into the mailbox (no copy)."""
         header = self._headers[self.rank, dst]
         wait(lambda: header[_TAKEN] == header[_SENT])  # the previous message was taken
-        box = self._as((self.rank, dst), self._boxes[self.rank, dst], x.dtype)
-        box[: x.numel()].view(x.shape).copy_(x)
+        make(self._mailbox((self.rank, dst), shape, dtype))
         header[_SENT] += 1
 
     def receive(self, src: int, shape: tuple, dtype: torch.dtype, wait) -> torch.Tensor:
@@ -200,11 +206,27 @@ class SharedMemory:
 
     def receive_into(self, src: int, out: torch.Tensor, wait) -> None:
         """Copy the next message from ``src`` into the CPU tensor ``out`` (any strides; its shape and dtype are the message's)."""
-        header = self._headers[src, self.rank]
-        wait(lambda: header[_SENT] > header[_TAKEN])
-        box = self._as((src, self.rank), self._boxes[src, self.rank], out.dtype)
-        out.copy_(box[: out.numel()].view(out.shape))
-        header[_TAKEN] += 1
+        self.read_in_place({src: tuple(out.shape)}, out.dtype, lambda boxes: out.copy_(boxes[src]), wait)
+
+    def read_in_place(self, shapes: dict[int, tuple], dtype: torch.dtype, read, wait):
+        """``read({src: message})`` of the next message from each source in ``shapes``, read where it lies; returns what ``read`` returns.
+
+        The messages are views of the mailboxes, released once ``read``
+        returns: it must not keep them, nor communicate (a peer waits for
+        its mailbox to be taken).
+        """
+        headers = [self._headers[src, self.rank] for src in shapes]
+        for header in headers:
+            wait(lambda header=header: header[_SENT] > header[_TAKEN])
+        try:
+            return read({src: self._mailbox((src, self.rank), shape, dtype) for src, shape in shapes.items()})
+        finally:
+            for header in headers:
+                header[_TAKEN] += 1
+
+    def _mailbox(self, pair: tuple[int, int], shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """The mailbox of ``pair`` (source, destination) as a message of ``shape`` and ``dtype``."""
+        return self._as(pair, self._boxes[pair], dtype)[: math.prod(shape)].view(shape)
 
     def dead_peer(self) -> int | None:
         """A rank whose process is gone, or ``None`` (all on this host, so its pid can be asked)."""

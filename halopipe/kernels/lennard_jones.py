@@ -108,15 +108,15 @@ def lj_direct(
     """
     rows = rows.detach().contiguous()
     kernels = warp_kernel("LJ_DIRECT")
-    energies = rows.new_zeros(rows.shape[0])
     forces = torch.zeros_like(rows)  # every row: the kernel writes ghost ends too rather than branch on them
     if kernels is None or rows.dtype != torch.float64 or not half.n_pairs:
+        energies = rows.new_zeros(rows.shape[0])
         if half.n_pairs:
             _torch_kernel(rows, half, tables, rows.new_ones(rows.shape[0]), energies, forces)
     else:
         single, inputs = _kernel_inputs(rows, half, tables, n_owned)
-        out = energies if energy else rows.new_empty(0)
-        launch(kernels[single, energy], n_owned, rows.device, [*inputs, tables.cutoff**2], [out, forces])
+        energies = rows.new_zeros(rows.shape[0] if energy else 0)  # no energies wanted: the kernel writes none
+        launch(kernels[single, energy], n_owned, rows.device, [*inputs, tables.cutoff**2], [energies, forces])
     w = _pairs_virial(rows, forces, n_owned) if virial else None
     return (energies if energy else None), forces, w
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from halopipe.distributed import DistributedError
-from halopipe.distributed.comm import Comm
+from halopipe.distributed.comm import Comm, Gathered
 
 CAPACITY = 64 << 10  # the smallest buffer: the larger messages and reductions below go through gloo
 
@@ -41,6 +41,19 @@ def traffic(capacity: int) -> dict:
             for q in range(p):
                 if q != r:
                     assert torch.equal(got[q], _payload(q, r, rows)), (rows, q)
+        for _ in range(2):  # gathered into the mailboxes as they are sent, read where they lie as they arrive
+            every = torch.cat([_payload(r, q, rows) for q in range(p)])  # each destination's rows, one after another
+            sends = {q: Gathered(every, torch.arange(q * rows * 3, (q + 1) * rows * 3), (rows, 3)) for q in range(p) if q != r}
+            kept = comm.exchange(
+                sends,
+                {q: (rows, 3) for q in range(p) if q != r},
+                torch.float64,
+                torch.device("cpu"),
+                consume=lambda arrived: {q: t.clone() for q, t in arrived.items()},
+            )
+            for q in range(p):
+                if q != r:
+                    assert torch.equal(kept[q], _payload(q, r, rows)), (rows, q)
         for _ in range(2):  # an all-to-all whose pieces, sent and received, are strided views (columns of one tensor)
             source = torch.stack([_payload(r, q, rows) for q in range(p)], dim=1)
             result = torch.full((rows, p, 3), -1.0, dtype=torch.float64)

@@ -332,19 +332,22 @@ def unchanged_script(skin: float = 0.5) -> dict:
     }
 
 
-def halo_rows_of_every_shape(width: float) -> dict:
+def halo_rows_of_every_shape(width: float, shared_memory: bool = True) -> dict:
     """Refresh and fold of per-atom tensors of several row shapes, against references made from global ids alone.
 
     Values are small integers (exact in float64 whatever the order of a sum):
     a refreshed ghost row must be its owner's row, found by id; a folded
     owned row must be the sum of every rank's ghost rows of that atom, added
-    up here with numpy from all ranks' (id, value) lists.
+    up here with numpy from all ranks' (id, value) lists. ``shared_memory``
+    False: every message through gloo.
     """
+    if not shared_memory:
+        os.environ["HALOPIPE_SHM_CAPACITY"] = "0"  # read when this process makes its first communicator
     system = make_system("triclinic")
     sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=0.0, timeout=60))
     sharded.prepare(width)
     ids, ghost_ids = sharded.ids, sharded.ghost_ids[: sharded.ghost_count(width)]
-    out = {"ghosts": int(ghost_ids.numel()), "refresh": True, "fold": True}
+    out = {"ghosts": int(ghost_ids.numel()), "refresh": True, "fold": True, "shared_memory": sharded.comm._shm is not None}
     for shape in [(), (3,), (4,), (2, 3)]:
         width_of_row = int(np.prod(shape, dtype=int))
         refreshed = sharded.ghost_rows(_rows_of_ids(ids, shape, 1), width)

@@ -74,10 +74,15 @@ def test_many_scatters_reuse_one_process_group():
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("nproc", [1, 2, 3])
-def test_refresh_and_fold_move_rows_of_any_shape_to_and_from_their_owners(nproc):
-    """Ghost rows of 1-D, (3,), (4,) and (2, 3) rows are their owners' rows, and a fold sums them home (ids as the reference)."""
-    results = spawn(halo_rows_of_every_shape, nproc, 6.0, timeout=180)
+@pytest.mark.parametrize("nproc, shared_memory", [(1, True), (2, True), (3, True), (2, False)])
+def test_refresh_and_fold_move_rows_of_any_shape_to_and_from_their_owners(nproc, shared_memory):
+    """Ghost rows of 1-D, (3,), (4,) and (2, 3) rows are their owners' rows, and a fold sums them home (ids as the reference).
+
+    Through shared memory the rows are gathered into the mailboxes and read where they lie; through gloo (shared
+    memory off) they are copied.
+    """
+    results = spawn(halo_rows_of_every_shape, nproc, 6.0, shared_memory, timeout=180)
     assert sum(r["ghosts"] for r in results) > 0
     for r in results:
         assert r["refresh"] and r["fold"], r
+        assert r["shared_memory"] == (shared_memory and nproc > 1), r
