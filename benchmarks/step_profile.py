@@ -13,7 +13,9 @@ timed steps, per rank, to exclusive categories by wrapping a few functions:
 * ``autograd backward``: ``torch.autograd.grad``, less the kernels and
   communication inside it;
 * ``communication``: every ``Comm`` operation outside a rebuild, waiting for
-  the slowest peer included (so on several ranks it also holds load imbalance);
+  the slowest peer included (so on several ranks it also holds load imbalance),
+  and what the halo does with a message in shared memory where it lies
+  (placing refreshed rows, adding folded ones: ``Comm.exchange``'s consumer);
 * ``other (Python, torch glue)``: the rest of the step (views, integrator,
   reductions' packing, checks).
 
