@@ -145,10 +145,11 @@ class Traffic:
         exchange, all_to_all_into = Comm.exchange, Comm.all_to_all_into
         traffic = self
 
-        def counted_exchange(comm, sends, recv_shapes, dtype, device):
-            out = [(t.numel() * t.element_size(), 1) for r, t in sends.items() if t.shape[0] and r != comm.rank]
+        def counted_exchange(comm, sends, recv_shapes, dtype, device, **options):
+            # a message is a tensor or a halo row gather (comm.Gathered): its shape and the exchange's dtype give its bytes
+            out = [(math.prod(t.shape) * dtype.itemsize, 1) for r, t in sends.items() if t.shape[0] and r != comm.rank]
             traffic._add(out)
-            return exchange(comm, sends, recv_shapes, dtype, device)
+            return exchange(comm, sends, recv_shapes, dtype, device, **options)
 
         def counted_all_to_all_into(comm, sends, outs):
             traffic._add([(t.numel() * t.element_size(), 1) for r, t in enumerate(sends) if t.numel() and r != comm.rank])

@@ -41,9 +41,9 @@ class Spy:
         self.comm, self.peers, self.all_to_alls = comm, set(), 0
         exchange, all_to_all_into = comm.exchange, comm.all_to_all_into
 
-        def spied_exchange(sends, recv_shapes, dtype, device):
+        def spied_exchange(sends, recv_shapes, dtype, device, **options):
             self.peers |= {r for r, t in sends.items() if t.shape[0] and r != comm.rank}
-            return exchange(sends, recv_shapes, dtype, device)
+            return exchange(sends, recv_shapes, dtype, device, **options)
 
         def spied_all_to_all_into(sends, outs):
             self.all_to_alls += 1
