@@ -10,7 +10,7 @@ such a result back into one dict per system.
 On one process a batch is a :class:`BatchDomain`: the systems' own
 :class:`~halopipe.domain.LocalDomain` s (each with its cell, images and ghost
 plan) side by side. Their owned rows are concatenated, and their ghost rows
-merged and sorted by distance, so a halo width is still a prefix of the rows
+merged in band order, so a halo width is still a prefix of the rows
 and the batch is one :class:`~halopipe.domain.Domain` to the pipeline. Pair
 lists are searched per system and concatenated with their indices shifted,
 so no pair crosses two systems. A model that sets ``batchable = True`` (its
@@ -135,8 +135,8 @@ class BatchDomain(LocalDomain):
     """A batch on one process: the systems' local domains side by side, seen as one domain.
 
     Owned rows are the systems' atoms concatenated (``system`` gives each
-    row's system); ghost rows are the systems' periodic images, merged and
-    sorted by distance so that a halo width is a prefix; ``cell`` is
+    row's system); ghost rows are the systems' periodic images, merged in
+    band order so that a halo width is a prefix; ``cell`` is
     ``(B, 3, 3)`` and ``pbc`` ``(B, 3)``. ``parts`` are the systems' own
     :class:`~halopipe.domain.LocalDomain` s: models that cannot take a whole
     batch see one of them at a time.
@@ -187,23 +187,28 @@ class BatchDomain(LocalDomain):
         """Owned rows of system ``b``."""
         return self.batch.atoms_of(b)
 
-    def prepare(self, width: float, problem: str | None = None) -> bool:
+    def prepare(self, widths, problem: str | None = None) -> bool:
         self.agree(problem)
-        rebuilt = [part.prepare(width) for part in self.parts]
+        rebuilt = [part.prepare(widths) for part in self.parts]
         if any(rebuilt) or self.plan_version == 0:
             self._merge()
             return True
         return False
 
     def _merge(self) -> None:
-        """The systems' ghost rows as one list sorted by distance, and where each system's ghosts landed in it."""
+        """The systems' ghost rows as one list in band order, and where each system's ghosts landed in it.
+
+        The parts are prepared alike, so they share their bands.
+        """
         starts = self.batch.starts
         atom = torch.cat([p.ghost_atom + starts[b] for b, p in enumerate(self.parts)])
-        distance = torch.cat([p.ghost_distance for p in self.parts])
+        band = torch.cat([p.ghost_band for p in self.parts])
         counts = torch.tensor([p.ghost_atom.numel() for p in self.parts], device=self.ids.device)
-        order = stable_argsort(distance)
+        order = stable_argsort(band)
+        self.halo_bands = self.parts[0].halo_bands
+        self.band_ends = tuple(torch.cumsum(torch.bincount(band, minlength=len(self.halo_bands)), 0).tolist())
         self.ghost_atom = atom[order]
-        self.ghost_distance = distance[order]
+        self.ghost_band = band[order]
         self.ghost_shift = torch.cat([p.ghost_shift for p in self.parts])[order]
         self.ghost_system = torch.repeat_interleave(torch.arange(self.n_systems, device=counts.device), counts)[order]
         self.ghost_numbers = self.numbers[self.ghost_atom]

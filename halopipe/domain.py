@@ -1,9 +1,9 @@
 """Domains: owned atoms plus ghost images, the substrate of every local view.
 
-A :class:`Domain` owns a set of atoms and knows, for any halo width ``w``, the
-ghost rows within ``w`` (plus a skin margin) of its region, sorted by distance
-so that a narrower halo is a prefix of a wider one (nested halos from one
-plan). ``ghost_rows(x_owned, w)`` produces the ghost rows of a per-atom tensor from
+A :class:`Domain` owns a set of atoms and knows, for each halo width ``w`` it
+was prepared for, the ghost rows within ``w`` (plus a skin margin) of its
+region: one *band* per width, ghost rows in band order, so that a narrower
+halo is a prefix of a wider one (nested halos from one plan). ``ghost_rows(x_owned, w)`` produces the ghost rows of a per-atom tensor from
 their owners, differentiably; ``fold_ghosts`` is its adjoint.
 
 :class:`LocalDomain` is the single-process domain: one brick covering the
@@ -32,7 +32,18 @@ from .meshfft import LocalMeshTransform, MeshTransform
 from .neighbors import GroupedPairs, PairLists, max_displacement
 from .sorting import stable_argsort
 
-__all__ = ["Domain", "DomainConfig", "LocalDomain", "skin_margin", "next_plan_version", "DEFAULT_SKIN", "strain_displacement"]
+__all__ = [
+    "Domain",
+    "DomainConfig",
+    "LocalDomain",
+    "skin_margin",
+    "next_plan_version",
+    "DEFAULT_SKIN",
+    "strain_displacement",
+    "halo_widths",
+    "band_index",
+    "image_bands",
+]
 
 DEFAULT_SKIN = 1.0
 """Default neighbour-list skin, Å.
@@ -141,6 +152,34 @@ def skin_margin(skin: float) -> float:
     return 1.5 * float(skin)
 
 
+def halo_widths(widths) -> tuple[float, ...]:
+    """One halo width or several (Å) as the ascending distinct widths a plan nests (its bands)."""
+    values = [widths] if isinstance(widths, numbers.Real) else list(widths)
+    if not values:
+        raise ValueError("a domain needs at least one halo width to plan for")
+    return tuple(sorted({float(w) for w in values}))
+
+
+def band_index(bands: tuple[float, ...], width: float) -> int:
+    """The band of ``width`` among a plan's ``bands`` (:func:`halo_widths`); a width past the widest takes the widest."""
+    width = float(width)
+    if width in bands:
+        return bands.index(width)
+    if width >= bands[-1]:
+        return len(bands) - 1
+    raise ValueError(
+        f"no ghost rows planned for a halo of {width} Å: the plan nests {list(bands)} Å; prepare the domain with every width its views use"
+    )
+
+
+def image_bands(distance: torch.Tensor, limits) -> torch.Tensor:
+    """Each image's band: the narrowest of the ascending distance ``limits`` that holds it (the last for any beyond)."""
+    if len(limits) == 1:
+        return torch.zeros(distance.shape, dtype=torch.int64, device=distance.device)
+    edges = torch.tensor(list(limits), dtype=distance.dtype, device=distance.device)
+    return torch.searchsorted(edges, distance.contiguous()).clamp_(max=len(limits) - 1)
+
+
 def strain_displacement(ref_cell: torch.Tensor, cell: torch.Tensor, reach: float) -> tuple[float, torch.Tensor]:
     """How far a cell change since a plan's build counts as atom motion, and the affine map.
 
@@ -179,8 +218,10 @@ class Domain:
         of the process (caches key on it); 0 before the first plan.
     owned_shift : (n_owned, 3) integer lattice shift that places each owned
         atom's row inside its brick (rows sit at ``r + owned_shift @ cell``).
-    ghost_numbers, ghost_shift, ghost_ids, ghost_distance : ghost rows at the
-        widest planned width, sorted by distance; a ghost row sits at
+    halo_bands : the halo widths the plan serves, ascending (:func:`halo_widths`).
+    ghost_numbers, ghost_shift, ghost_ids, ghost_band : ghost rows at the
+        widest planned width, in band order (each row's band: the narrowest
+        of ``halo_bands`` it lies within); a ghost row sits at
         ``r_owner + ghost_shift @ cell``.
     """
 
@@ -198,7 +239,10 @@ class Domain:
     ghost_numbers: torch.Tensor
     ghost_shift: torch.Tensor
     ghost_ids: torch.Tensor
-    ghost_distance: torch.Tensor
+    ghost_band: torch.Tensor
+    halo_bands: tuple[float, ...] = ()
+    band_ends: tuple[int, ...] = ()
+    """Ghost rows within each band (cumulative counts, one per band of :attr:`halo_bands`)."""
     _row_offsets: tuple | None = None  # (plan_version, cell, offsets of the owned rows and all ghosts) of :meth:`row_offsets`
     _pair_lists: PairLists | None = None  # this domain's candidate lists, per plan (:meth:`candidate_pairs`)
     _holder_keys: tuple | None = None  # (plan_version, keys of all the plan's rows) of :meth:`holder_keys`
@@ -213,13 +257,12 @@ class Domain:
         return int(self.positions.shape[0])
 
     def ghost_count(self, width: float) -> int:
-        """Number of ghost rows a model with halo ``width`` sees."""
-        limit = float(width) + skin_margin(self.skin) + 1e-12
-        return int(
-            torch.searchsorted(
-                self.ghost_distance, torch.tensor([limit], dtype=self.ghost_distance.dtype, device=self.ghost_distance.device), right=True
-            )
-        )
+        """Number of ghost rows a model with halo ``width`` (one of :attr:`halo_bands`) sees."""
+        return self.band_ends[band_index(self.halo_bands, width)]
+
+    def band_limits(self, bands: tuple[float, ...]) -> tuple[float, ...]:
+        """The distance limit of each band of ``bands``: its width plus the skin margin, and a hair for rounding."""
+        return tuple(w + skin_margin(self.skin) + 1e-12 for w in bands)
 
     def row_offsets(self, cell: torch.Tensor, n_ghost: int) -> torch.Tensor:
         """``shift @ cell`` of the owned rows, then of the first ``n_ghost`` ghost rows: what places them.
@@ -411,10 +454,13 @@ class Domain:
     @property
     def n_exchanged(self) -> int:
         """Ghost rows held by the current plan (all widths)."""
-        return int(self.ghost_distance.shape[0])
+        return int(self.ghost_band.shape[0])
 
-    def prepare(self, width: float, problem: str | None = None) -> bool:  # pragma: no cover - interface
-        """Make the ghost plan valid for ``width``; returns True if it was rebuilt.
+    def prepare(self, widths, problem: str | None = None) -> bool:  # pragma: no cover - interface
+        """Make the ghost plan valid for ``widths`` (one halo width or several: :func:`halo_widths`); returns True if it was rebuilt.
+
+        A plan keeps the bands of earlier plans (it never narrows), so views
+        of any width prepared for before stay valid.
 
         ``problem`` (this rank's, or None) is agreed first, as by :meth:`agree`,
         in the same collective.
@@ -457,7 +503,6 @@ class LocalDomain(Domain):
         self.n_total = system.n_atoms
         self.skin = float(skin)
         self.plan_version = 0
-        self._width = -1.0
         self._ref: torch.Tensor | None = None
 
     def update(self, system) -> None:
@@ -478,34 +523,39 @@ class LocalDomain(Domain):
             and system.device == self.positions.device
         )
 
-    def prepare(self, width: float, problem: str | None = None) -> bool:
+    def prepare(self, widths, problem: str | None = None) -> bool:
         self.agree(problem)
+        widths = halo_widths(widths)
         stale = (
             self._ref is None
-            or width > self._width
+            or not set(widths) <= set(self.halo_bands)
             or max_displacement(self.positions, self._ref) > (0.5 * self.skin if self.skin > 0 else 0.0)
         )
         if not stale:
             return False
-        self._build(width)
+        self._build(halo_widths(self.halo_bands + widths))
         return True
 
-    def _build(self, width: float) -> None:
+    def _build(self, bands: tuple[float, ...]) -> None:
         partition = Partition.build((1, 1, 1), self.cell, self.pbc)
         frac = partition.geometry.fractional(self.positions)
         wrapped, image = partition.wrap(frac)
         own = torch.zeros(self.n_owned, dtype=torch.int64, device=self.positions.device)
-        imgs = images_near_bricks(partition, wrapped, image, width + skin_margin(self.skin), own_rank=own)
-        order = stable_argsort(imgs.distance)
+        imgs = images_near_bricks(partition, wrapped, image, bands[-1] + skin_margin(self.skin), own_rank=own)
         self.owned_shift = -image
-        # index_select: about half the time of indexing by a tensor on the CPU
-        self.ghost_atom = imgs.atom.index_select(0, order)
-        self.ghost_shift = imgs.shift.index_select(0, order)
-        self.ghost_distance = imgs.distance.index_select(0, order)
+        self.ghost_band = image_bands(imgs.distance, self.band_limits(bands))
+        if len(bands) == 1:  # one band: the images in their own order (the owned rows')
+            self.ghost_atom, self.ghost_shift = imgs.atom, imgs.shift
+        else:
+            order = stable_argsort(self.ghost_band)
+            # index_select: about half the time of indexing by a tensor on the CPU
+            self.ghost_atom, self.ghost_shift = imgs.atom.index_select(0, order), imgs.shift.index_select(0, order)
+            self.ghost_band = self.ghost_band.index_select(0, order)
+        self.halo_bands = bands
+        self.band_ends = tuple(torch.cumsum(torch.bincount(self.ghost_band, minlength=len(bands)), 0).tolist())
         self.ghost_numbers = self.numbers.index_select(0, self.ghost_atom)
         self.ghost_ids = self.ids.index_select(0, self.ghost_atom)
         self._ref = self.positions.detach().clone()
-        self._width = float(width)
         self.plan_version = next_plan_version()
 
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:

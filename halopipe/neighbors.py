@@ -196,7 +196,7 @@ def narrower_half_pairs(wider: GroupedPairs, rows: torch.Tensor, cutoff: float) 
     """The pairs of a wider half list that a narrower view keeps: partner among ``rows``, length within ``cutoff``.
 
     ``wider`` is a half list of the same plan over more rows (``rows`` is a
-    prefix of its rows: ghosts are sorted by distance) at a cutoff of at least
+    prefix of its rows: ghosts are in band order) at a cutoff of at least
     ``cutoff``; the result is exactly the list a fresh search over ``rows`` at
     ``cutoff`` finds, in the wider list's order. With Warp, one thread per
     owned row counts and then writes its kept partners; otherwise a torch mask.
@@ -605,7 +605,7 @@ class PairLists:
 
     A domain (:meth:`~halopipe.domain.Domain.candidate_pairs`) asks for the
     owned-centred pairs within ``cutoff + skin`` among its rows (owned rows,
-    then ``n_ghost`` ghosts sorted by distance), of one of the
+    then ``n_ghost`` ghosts in band order), of one of the
     :data:`LIST_KINDS`. Lists are made once per plan and distinct
     ``(n_ghost, cutoff, kind)``, so models with equal widths and cutoffs
     share one. A half or one-holder list is filtered from a wider cached one

@@ -616,7 +616,8 @@ def evaluate(
     halo_of = halo_of or (lambda model: model.halo)
     if stress:
         volume = _volume(domain.cell, domain)
-    domain.prepare(pipeline.halo, problem)
+    widths = {halo_of(s.model) for grp in pipeline.groups for s in grp.steps}
+    domain.prepare(widths, problem)  # a band of ghost rows per width: each view takes its prefix
     n, dtype, device = domain.n_owned, domain.positions.dtype, domain.positions.device
     batched = domain.system is not None  # a batch of systems (halopipe.batch): energies and virial per system
     forces = None  # the first group's forces, then sums (no zeroed array, no copy for one group)
@@ -626,8 +627,7 @@ def evaluate(
     produced: dict[str, torch.Tensor] = {}
     static = dict(domain.fields)
     # One exchange of positions per evaluation, at the widest width any view uses; every view takes its prefix.
-    widest = max(halo_of(s.model) for grp in pipeline.groups for s in grp.steps)
-    ghost_positions = domain.ghost_rows(domain.positions.detach(), widest)
+    ghost_positions = domain.ghost_rows(domain.positions.detach(), max(widths))
     steps = [s for g in pipeline.groups for s in g.steps]
     domain.search_widest_lists({_pair_list_need(domain, s.model, halo_of) for s in steps if s.model.half_list}, ghost_positions)
     broken: list[torch.Tensor] = []  # per group: does it have a non-finite force or virial on this rank

@@ -210,7 +210,7 @@ def test_narrower_half_list_equals_a_fresh_search(kernels, monkeypatch):
     numbers = torch.full((120,), 18)
     system = System(positions=torch.tensor(positions), numbers=numbers, cell=torch.tensor(cell), pbc=torch.tensor([True] * 3))
     domain = LocalDomain(system, skin=0.5)
-    domain.prepare(6.5)
+    domain.prepare([6.5, 4.0, 3.5, 0.5])  # a band of ghost rows per width below, each a prefix of the next
     n_owned = domain.n_owned
     wide_rows = _view_rows(domain, 6.5)
     wide_list = grouped_owned_half_pairs(wide_rows, n_owned, 7.0)
@@ -342,7 +342,7 @@ def test_one_holder_lists_hold_each_pair_of_the_system_once(kernels, half_first,
         systems.append(System(positions=torch.tensor(positions), numbers=torch.full((n,), 18), cell=torch.tensor(cell), pbc=pbc))
     skin = 0.5
     domain = BatchDomain(Batch(systems), skin=skin)
-    domain.prepare(6.0)
+    domain.prepare([6.0, 4.0])  # a band per cutoff below
     for cutoff in (6.0, 4.0):  # the narrower list is filtered from the wider one-holder list
         model = LennardJones(0.01, 3.0, cutoff=cutoff)
         view = build_view(domain, Step(model), model.halo, domain.positions, domain.cell, {})

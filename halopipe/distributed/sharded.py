@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ..domain import Domain, DomainConfig, next_plan_version, skin_margin, strain_displacement
+from ..domain import Domain, DomainConfig, band_index, halo_widths, next_plan_version, skin_margin, strain_displacement
 from ..geometry import Geometry, Partition, Placement, choose_grid, images_near_bricks
 from ..neighbors import max_displacement
 from ..sorting import stable_argsort
@@ -61,7 +61,6 @@ class ShardedSystem(Domain):
         self.plan: HaloPlan | None = None
         self.partition: Partition | None = None
         self.rebuilds = 0
-        self._width = -1.0
         self._ref: torch.Tensor | None = None
         self._ref_cell: torch.Tensor | None = None  # reference positions and cell: those of the last migration
         self._mesh_transforms: dict[tuple, PencilMeshTransform] = {}
@@ -197,38 +196,40 @@ class ShardedSystem(Domain):
             raise ValueError(f"ShardedSystem.set_cell: expected a finite (3, 3) cell with non-zero volume, got {cell.tolist()}")
         self.cell = cell
 
-    def prepare(self, width: float, problem: str | None = None) -> bool:
-        """Rebuild plan (with migration) if needed for ``width``; collective.
+    def prepare(self, widths, problem: str | None = None) -> bool:
+        """Rebuild plan (with migration) if needed for ``widths`` (one halo width or several); collective.
 
         Rebuilds when some atom moved, beyond the affine motion a changed cell
         imposes, by more than skin/2 minus the strain's share (see
         :func:`~halopipe.domain.strain_displacement`). ``problem`` is agreed
         (:meth:`agree`) in the same reduction, before any data moves.
         """
-        stale = self.plan is None or width > self._width
-        moved = self._displacement(width)
+        widths = halo_widths(widths)
+        stale = self.plan is None or not set(widths) <= set(self.halo_bands)
+        bands = halo_widths(self.halo_bands + widths)  # never narrower than planned before
+        moved = self._displacement(bands[-1])
         flags = torch.tensor([moved if math.isfinite(moved) else 1e300, float(stale), float(problem is not None)], dtype=torch.float64)
         flags = self.comm.all_reduce(flags, "max")
         self.comm.raise_agreed(problem, bool(flags[2] > 0))
         threshold = 0.5 * self.skin if self.skin > 0 else 0.0
         if flags[1] > 0 or flags[0] > threshold:
             # never narrower than planned before; the global displacement bounds how far any atom can migrate
-            self._repartition(hysteresis=True, width=max(width, self._width), moved=float(flags[0]))
+            self._repartition(hysteresis=True, bands=bands, moved=float(flags[0]))
             return True
         return False
 
     def _displacement(self, width: float) -> float:
-        """Largest non-affine displacement since the last migration plus the cell strain's equivalent, Å (inf if unknown)."""
+        """Largest non-affine displacement since the last migration plus the strain's equivalent for halo ``width``, Å (inf if unknown)."""
         if self._ref is None or self._ref.shape != self.positions.shape:
             return math.inf
         if torch.equal(self.cell, self._ref_cell):
             return max_displacement(self.positions, self._ref)
-        reach = max(width, self._width) + skin_margin(self.skin)
+        reach = width + skin_margin(self.skin)
         extra, mapping = strain_displacement(self._ref_cell, self.cell, reach)
         return max_displacement(self.positions, self._ref @ mapping.to(self._ref.dtype)) + extra
 
-    def _repartition(self, hysteresis: bool, width: float | None = None, moved: float = math.inf) -> None:
-        """Migrate atoms to their bricks' ranks and, given a ``width``, build the plan.
+    def _repartition(self, hysteresis: bool, bands: tuple[float, ...] | None = None, moved: float = math.inf) -> None:
+        """Migrate atoms to their bricks' ranks and, given halo widths ``bands`` (:func:`~halopipe.domain.halo_widths`), build the plan.
 
         ``moved``: the largest displacement of any atom since the last
         migration (all ranks pass the same value).
@@ -241,11 +242,11 @@ class ShardedSystem(Domain):
             # nothing migrates. Spares a rebuild the migration's sort (~2 ms at 32k).
             peers = [self.rank]
         else:
-            place, peers = self._migrate_to_bricks(old, place, hysteresis, width, moved)
+            place, peers = self._migrate_to_bricks(old, place, hysteresis, None if bands is None else bands[-1], moved)
         self._ref = self.positions.detach().clone()
         self._ref_cell = self.cell.detach().clone()
-        if width is not None:
-            self._build_plan(width, peers, place)
+        if bands is not None:
+            self._build_plan(bands, peers, place)
 
     def _place(self) -> Placement:
         """The owned rows placed in the partition, as seen from this rank's brick."""
@@ -301,34 +302,32 @@ class ShardedSystem(Domain):
             self._peers, self._peers_key = bricks_within(self.partition, self.rank, reach), (self.partition, reach)
         return self._peers
 
-    def _build_plan(self, width: float, peers: list[int], place: Placement) -> None:
-        """The halo plan for ``width``; ``place``: the owned rows' placement."""
+    def _build_plan(self, bands: tuple[float, ...], peers: list[int], place: Placement) -> None:
+        """The halo plan for the halo widths ``bands``; ``place``: the owned rows' placement."""
         part = self.partition
         ranks = torch.full((self.n_owned,), self.rank, dtype=torch.int32, device=self.positions.device)
         self.owned_shift = place.home - place.image
-        images = images_near_bricks(part, place.wrapped, place.image, width + skin_margin(self.skin), own_rank=ranks, own_image=place.home)
-        self.plan = HaloPlan(self.comm, images, self.numbers, self.ids, peers)
+        width = bands[-1] + skin_margin(self.skin)
+        images = images_near_bricks(part, place.wrapped, place.image, width, own_rank=ranks, own_image=place.home)
+        self.plan = HaloPlan(self.comm, images, self.numbers, self.ids, peers, self.band_limits(bands))
         self.ghost_numbers, self.ghost_ids = self.plan.ghost_numbers, self.plan.ghost_ids
-        self.ghost_shift, self.ghost_distance = self.plan.ghost_shift, self.plan.ghost_distance
-        self._width = float(width)
+        self.ghost_shift, self.ghost_band = self.plan.ghost_shift, self.plan.ghost_band
+        self.halo_bands = bands
+        self.band_ends = tuple(self.plan.counts(b)[2] for b in range(len(bands)))
         self.plan_version = next_plan_version()
         self.rebuilds += 1
 
-    def _limit(self, width: float) -> float:
-        return float(width) + skin_margin(self.skin) + 1e-12
-
-    def ghost_count(self, width: float) -> int:
-        return self.plan.counts(self._limit(width))[2]
-
     def ghost_rows(self, x: torch.Tensor, width: float, known: torch.Tensor | None = None) -> torch.Tensor:
+        band = band_index(self.halo_bands, width)
         if not _differentiated(x):  # the plain exchange: an autograd Function costs ~10 µs a call more
-            return known if known is not None else self.plan.forward_rows(x, self._limit(width))
-        return HaloGather.apply(x, self.plan, self._limit(width), known)
+            return known if known is not None else self.plan.forward_rows(x, band)
+        return HaloGather.apply(x, self.plan, band, known)
 
     def fold_ghosts(self, x_ghost: torch.Tensor, width: float) -> torch.Tensor:
+        band = band_index(self.halo_bands, width)
         if not _differentiated(x_ghost):
-            return self.plan.backward_rows(x_ghost, self.n_owned, self._limit(width))
-        return HaloFold.apply(x_ghost, self.plan, self.n_owned, self._limit(width))
+            return self.plan.backward_rows(x_ghost, self.n_owned, band)
+        return HaloFold.apply(x_ghost, self.plan, self.n_owned, band)
 
     def own_images(self) -> tuple[torch.Tensor, torch.Tensor]:
         # The rows this rank sends itself: its own atoms' images, in the order they arrive.

@@ -157,10 +157,10 @@ def migration_walk(steps: int, grid, skin: float) -> dict | None:
 
 def _plan_as_placed_afresh(sharded: ShardedSystem) -> bool:
     """Whether the plan a rebuild made (from the owned rows' placement carried through the migration) is the one
-    placing every owned row again gives: the same ghost rows (ids, shifts, distances, bit for bit) and sends."""
-    made = (sharded.ghost_ids, sharded.ghost_shift, sharded.ghost_distance, sharded.owned_shift, sharded.plan.send_atom)
-    sharded._build_plan(sharded._width, sharded._peers, sharded._place())
-    again = (sharded.ghost_ids, sharded.ghost_shift, sharded.ghost_distance, sharded.owned_shift, sharded.plan.send_atom)
+    placing every owned row again gives: the same ghost rows (ids, shifts, bands, bit for bit) and sends."""
+    made = (sharded.ghost_ids, sharded.ghost_shift, sharded.ghost_band, sharded.owned_shift, sharded.plan.send_atom)
+    sharded._build_plan(sharded.halo_bands, sharded._peers, sharded._place())
+    again = (sharded.ghost_ids, sharded.ghost_shift, sharded.ghost_band, sharded.owned_shift, sharded.plan.send_atom)
     return all(torch.equal(a, b) for a, b in zip(made, again))
 
 
@@ -182,8 +182,10 @@ def comm_volume(grid) -> dict:
         served = sum(c for d, c in sharded.plan.send_counts.items() if d != comm.rank)
         out[halo + "_ratio"] = sent / max(served * 8, 1)
         out[halo + "_served"] = served
+        sharded.prepare([3.0, pipeline.halo])  # the short-range model's own width as a band of its own (so already with per_model)
+        x = torch.randn(sharded.n_owned, dtype=torch.float64)
         before = comm.bytes_sent
-        sharded.ghost_rows(x, 3.0)  # the short-range model's own refresh width
+        sharded.ghost_rows(x, 3.0)
         out[halo + "_short_bytes"] = comm.bytes_sent - before
         out[halo + "_wide_bytes"] = sent
         out["n_total"] = system.n_atoms
@@ -338,29 +340,43 @@ def halo_rows_of_every_shape(width: float, shared_memory: bool = True) -> dict:
     Values are small integers (exact in float64 whatever the order of a sum):
     a refreshed ghost row must be its owner's row, found by id; a folded
     owned row must be the sum of every rank's ghost rows of that atom, added
-    up here with numpy from all ranks' (id, value) lists. ``shared_memory``
+    up here with numpy from all ranks' (id, value) lists. The plan nests a
+    narrower band (3 Å) under ``width``: the rows of each, and the narrower
+    band's ghosts are those of a plan made for 3 Å alone. ``shared_memory``
     False: every message through gloo.
     """
     if not shared_memory:
         os.environ["HALOPIPE_SHM_CAPACITY"] = "0"  # read when this process makes its first communicator
     system = make_system("triclinic")
-    sharded = ShardedSystem.scatter(system if rank() == 0 else None, DomainConfig(skin=0.0, timeout=60))
-    sharded.prepare(width)
-    ids, ghost_ids = sharded.ids, sharded.ghost_ids[: sharded.ghost_count(width)]
-    out = {"ghosts": int(ghost_ids.numel()), "refresh": True, "fold": True, "shared_memory": sharded.comm._shm is not None}
-    for shape in [(), (3,), (4,), (2, 3)]:
-        width_of_row = int(np.prod(shape, dtype=int))
-        refreshed = sharded.ghost_rows(_rows_of_ids(ids, shape, 1), width)
-        out["refresh"] &= torch.equal(refreshed, _rows_of_ids(ghost_ids, shape, 1))
-        per_image = (torch.arange(ghost_ids.numel(), dtype=torch.float64) % 5).reshape((-1,) + (1,) * len(shape))  # images differ
-        ghost_values = _rows_of_ids(ghost_ids, shape, 0) + per_image
-        folded = sharded.fold_ghosts(ghost_values, width)
-        everyone = sharded.comm.all_gather_object((ghost_ids.numpy(), ghost_values.reshape(ghost_ids.numel(), -1).numpy()))
-        expected = np.zeros((system.n_atoms, max(width_of_row, 1)))
-        for their_ids, their_values in everyone:
-            np.add.at(expected, their_ids, their_values)
-        out["fold"] &= bool(np.array_equal(folded.reshape(ids.numel(), -1).numpy(), expected[ids.numpy()]))
+    config = DomainConfig(skin=0.0, timeout=60)
+    sharded = ShardedSystem.scatter(system if rank() == 0 else None, config)
+    sharded.prepare([3.0, width])
+    out = {"ghosts": 0, "refresh": True, "fold": True, "shared_memory": sharded.comm._shm is not None}
+    for w in (3.0, width):
+        ids, ghost_ids = sharded.ids, sharded.ghost_ids[: sharded.ghost_count(w)]
+        out["ghosts"] = int(ghost_ids.numel())
+        for shape in [(), (3,), (4,), (2, 3)]:
+            width_of_row = int(np.prod(shape, dtype=int))
+            refreshed = sharded.ghost_rows(_rows_of_ids(ids, shape, 1), w)
+            out["refresh"] &= torch.equal(refreshed, _rows_of_ids(ghost_ids, shape, 1))
+            per_image = (torch.arange(ghost_ids.numel(), dtype=torch.float64) % 5).reshape((-1,) + (1,) * len(shape))  # images differ
+            ghost_values = _rows_of_ids(ghost_ids, shape, 0) + per_image
+            folded = sharded.fold_ghosts(ghost_values, w)
+            everyone = sharded.comm.all_gather_object((ghost_ids.numpy(), ghost_values.reshape(ghost_ids.numel(), -1).numpy()))
+            expected = np.zeros((system.n_atoms, max(width_of_row, 1)))
+            for their_ids, their_values in everyone:
+                np.add.at(expected, their_ids, their_values)
+            out["fold"] &= bool(np.array_equal(folded.reshape(ids.numel(), -1).numpy(), expected[ids.numpy()]))
+    alone = ShardedSystem.scatter(system if rank() == 0 else None, config)
+    alone.prepare(3.0)
+    narrow, only = sharded.ghost_count(3.0), alone.ghost_count(3.0)
+    out["band_is_its_own_plan"] = _ghost_images(sharded, narrow) == _ghost_images(alone, only) and 0 < narrow < out["ghosts"]
     return out
+
+
+def _ghost_images(sharded: ShardedSystem, n_ghost: int) -> list[tuple[int, ...]]:
+    """The first ``n_ghost`` ghost rows as sorted (id, lattice shift) tuples."""
+    return sorted((i, *s) for i, s in zip(sharded.ghost_ids[:n_ghost].tolist(), sharded.ghost_shift[:n_ghost].tolist()))
 
 
 def _rows_of_ids(ids: torch.Tensor, shape: tuple, salt: int) -> torch.Tensor:

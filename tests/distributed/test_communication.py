@@ -78,11 +78,12 @@ def test_many_scatters_reuse_one_process_group():
 def test_refresh_and_fold_move_rows_of_any_shape_to_and_from_their_owners(nproc, shared_memory):
     """Ghost rows of 1-D, (3,), (4,) and (2, 3) rows are their owners' rows, and a fold sums them home (ids as the reference).
 
+    At two nested widths (two bands of one plan); the narrower band holds the ghosts of a plan for its width alone.
     Through shared memory the rows are gathered into the mailboxes and read where they lie; through gloo (shared
     memory off) they are copied.
     """
     results = spawn(halo_rows_of_every_shape, nproc, 6.0, shared_memory, timeout=180)
     assert sum(r["ghosts"] for r in results) > 0
     for r in results:
-        assert r["refresh"] and r["fold"], r
+        assert r["refresh"] and r["fold"] and r["band_is_its_own_plan"], r
         assert r["shared_memory"] == (shared_memory and nproc > 1), r
