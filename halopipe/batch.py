@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .domain import DEFAULT_SKIN, Domain, LocalDomain, next_plan_version
+from .domain import DEFAULT_SKIN, Domain, LocalDomain, band_ends, next_plan_version
 from .neighbors import GroupedPairs
 from .sorting import stable_argsort
 from .system import System
@@ -206,7 +206,7 @@ class BatchDomain(LocalDomain):
         counts = torch.tensor([p.ghost_atom.numel() for p in self.parts], device=self.ids.device)
         order = stable_argsort(band)
         self.halo_bands = self.parts[0].halo_bands
-        self.band_ends = tuple(torch.cumsum(torch.bincount(band, minlength=len(self.halo_bands)), 0).tolist())
+        self.band_ends = band_ends(band, len(self.halo_bands))
         self.ghost_atom = atom[order]
         self.ghost_band = band[order]
         self.ghost_shift = torch.cat([p.ghost_shift for p in self.parts])[order]

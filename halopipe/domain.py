@@ -43,6 +43,7 @@ __all__ = [
     "halo_widths",
     "band_index",
     "image_bands",
+    "band_ends",
 ]
 
 DEFAULT_SKIN = 1.0
@@ -178,6 +179,13 @@ def image_bands(distance: torch.Tensor, limits) -> torch.Tensor:
         return torch.zeros(distance.shape, dtype=torch.int64, device=distance.device)
     edges = torch.tensor(list(limits), dtype=distance.dtype, device=distance.device)
     return torch.searchsorted(edges, distance.contiguous()).clamp_(max=len(limits) - 1)
+
+
+def band_ends(band: torch.Tensor, n_bands: int) -> tuple[int, ...]:
+    """Rows within each band of rows in band order (``band``: each row's band): cumulative counts, one per band."""
+    if n_bands == 1:
+        return (int(band.numel()),)
+    return tuple(torch.cumsum(torch.bincount(band, minlength=n_bands), 0).tolist())
 
 
 def strain_displacement(ref_cell: torch.Tensor, cell: torch.Tensor, reach: float) -> tuple[float, torch.Tensor]:
@@ -552,7 +560,7 @@ class LocalDomain(Domain):
             self.ghost_atom, self.ghost_shift = imgs.atom.index_select(0, order), imgs.shift.index_select(0, order)
             self.ghost_band = self.ghost_band.index_select(0, order)
         self.halo_bands = bands
-        self.band_ends = tuple(torch.cumsum(torch.bincount(self.ghost_band, minlength=len(bands)), 0).tolist())
+        self.band_ends = band_ends(self.ghost_band, len(bands))
         self.ghost_numbers = self.numbers.index_select(0, self.ghost_atom)
         self.ghost_ids = self.ids.index_select(0, self.ghost_atom)
         self._ref = self.positions.detach().clone()

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..domain import image_bands
+from ..domain import band_ends, image_bands
 from ..geometry import ImageSet
 from ..sorting import stable_argsort
 from .comm import Comm, Gathered
@@ -64,13 +64,13 @@ class HaloPlan:
         order = stable_argsort(key) if key.numel() and not _all_equal(key) else torch.arange(key.numel(), device=device)
         # index_select: about half the time of indexing by a tensor on the CPU
         self.send_atom = images.atom.index_select(0, order)
-        send_key = key.index_select(0, order)
+        send_band = band.index_select(0, order)
         ranks, counts = torch.unique_consecutive(images.rank.index_select(0, order), return_counts=True)
         self.send_counts = dict(zip(ranks.tolist(), counts.tolist()))
         self.recv_counts = comm.exchange_counts(self.send_counts, peers)  # point to point with the peers only
         starts = dict(zip(self.send_counts, (torch.cumsum(counts, 0) - counts).tolist()))
         self.send_index = {d: self.send_atom[starts[d] : starts[d] + c] for d, c in self.send_counts.items()}
-        self.send_ends = {d: self._band_ends(send_key[starts[d] : starts[d] + c] - d * self.n_bands) for d, c in self.send_counts.items()}
+        self.send_ends = {d: band_ends(send_band[starts[d] : starts[d] + c], self.n_bands) for d, c in self.send_counts.items()}
         self._counts_cache: dict[int, tuple[dict, dict, int]] = {}
         self._sources_cache: dict[int, torch.Tensor] = {}
         self._elements_cache: dict[tuple, torch.Tensor] = {}
@@ -78,17 +78,17 @@ class HaloPlan:
         # so the plan needs no metadata message, and a refresh or fold is one indexed pass through ghost_sources.
         self.ghost_owner = None if comm.distributed else self.send_index.get(comm.rank, self.send_atom[:0])
         if self.ghost_owner is not None:
-            self._own_images_only(images.shift.index_select(0, order), send_key - comm.rank * self.n_bands, numbers, ids)
+            self._own_images_only(images.shift.index_select(0, order), send_band, numbers, ids)
             return
         # Metadata travels once per rebuild, in one message: species, id, image shift and band.
         meta = torch.empty(order.numel(), 6, dtype=torch.int64, device=device)  # filled by columns: half the time of a cat
         meta[:, 0] = numbers.index_select(0, self.send_atom)
         meta[:, 1] = ids.index_select(0, self.send_atom)
         meta[:, 2:5] = images.shift.index_select(0, order)
-        meta[:, 5] = send_key.remainder(self.n_bands) if self.n_bands > 1 else 0
+        meta[:, 5] = send_band
         received = self._exchange_rows(meta, torch.int64)
         sources = sorted(received)
-        self.recv_ends = {s: self._band_ends(received[s][:, 5]) for s in sources}
+        self.recv_ends = {s: band_ends(received[s][:, 5], self.n_bands) for s in sources}
         blocks = torch.cat([received[s] for s in sources]) if sources else torch.zeros(0, 6, dtype=torch.int64, device=device)
         # Each source sends in band order: with one band, or one source, the blocks are in order already.
         one_block = self.n_bands == 1 or len(sources) <= 1
@@ -107,12 +107,6 @@ class HaloPlan:
             c = received[s].shape[0]
             self.recv_slot[s] = where[offset : offset + c]
             offset += c
-
-    def _band_ends(self, band: torch.Tensor) -> list[int]:
-        """Rows within each band of a block sorted by ``band`` (cumulative counts, one per band)."""
-        if self.n_bands == 1:
-            return [int(band.numel())]
-        return torch.cumsum(torch.bincount(band, minlength=self.n_bands), 0).tolist()
 
     def _own_images_only(self, shift: torch.Tensor, band: torch.Tensor, numbers: torch.Tensor, ids: torch.Tensor) -> None:
         """The ghost rows of one process: its own images as sent (``ghost_owner``), with no metadata message to pack and unpack.
