@@ -389,9 +389,8 @@ class ShardedSystem(Domain):
         Returns where each new row comes from: an index into the old owned rows followed by the arrived ones.
         """
         n, k = self.n_owned, floats.shape[0]
-        order = stable_argsort(torch.cat([self.ids.index_select(0, staying), ints[:, 1]]))
         # where each new row comes from in (the owned rows, then the arrived ones): one gather per array
-        source = torch.cat([staying, torch.arange(n, n + k, device=staying.device)]).index_select(0, order)
+        source = _id_order_source(staying, self.ids.index_select(0, staying), ints[:, 1], n)
 
         def merged(mine: torch.Tensor, theirs: torch.Tensor) -> torch.Tensor:
             return torch.cat([mine.detach(), theirs.reshape((k,) + mine.shape[1:]).to(mine.dtype)]).index_select(0, source)
@@ -409,6 +408,25 @@ class ShardedSystem(Domain):
                 icol += width
         self.fields = fields
         return source
+
+
+def _id_order_source(staying: torch.Tensor, staying_ids: torch.Tensor, arrived_ids: torch.Tensor, n_owned: int) -> torch.Tensor:
+    """Where each merged owned row, in id order, comes from: a ``staying`` old owned row, or ``n_owned + j`` for arrival ``j``.
+
+    The staying rows' ids (``staying_ids``) ascend already, the owned rows
+    being in id order, so only the few arrivals are sorted, then slotted in
+    by a binary search: the same order as a stable sort of all the ids (ids
+    are distinct), without sorting the rows that stay (LJ 32k on 2 ranks,
+    16,000 rows: the radix sort took ~0.4 ms a migration).
+    """
+    device, k = staying.device, arrived_ids.numel()
+    by_id = stable_argsort(arrived_ids)
+    # arrival j (by id) lands after the staying rows of lower id and the j arrivals before it
+    slot = torch.searchsorted(staying_ids, arrived_ids.index_select(0, by_id)) + torch.arange(k, device=device)
+    source = torch.empty(staying.numel() + k, dtype=torch.int64, device=device)
+    source.index_copy_(0, slot, by_id + n_owned)
+    stays = torch.ones(source.numel(), dtype=torch.bool, device=device).index_fill_(0, slot, False)
+    return source.masked_scatter_(stays, staying)
 
 
 def _differentiated(x: torch.Tensor) -> bool:
