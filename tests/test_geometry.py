@@ -235,9 +235,27 @@ def test_nearest_image_is_the_closest_candidate(backend):
         ((40.0, 10.0, 10.0), 4, (4, 1, 1)),
         ((30.0, 30.0, 10.0), 4, (2, 2, 1)),
         ((10.0, 10.0, 70.0), 7, (1, 1, 7)),
+        ((20.0, 20.0, 20.0), 2, (2, 1, 1)),  # ties: the first axes, as the mesh FFT splits them
+        ((20.0, 20.0, 20.0), 4, (2, 2, 1)),
+        ((30.0, 10.0, 30.0), 2, (2, 1, 1)),
+        ((10.0, 30.0, 30.0), 2, (1, 2, 1)),
     ],
 )
 def test_choose_grid_minimises_brick_surface(lengths, world, want):
     """Analytic optima: equal bricks for a cube, slices across the long axis, no cut along a short one."""
     cell = torch.diag(torch.tensor(lengths, dtype=torch.float64))
     assert choose_grid(world, cell, torch.tensor([True, True, True])) == want
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+def test_a_cubic_cells_bricks_split_the_axes_its_mesh_fft_splits(world):
+    """On a cube, the bricks split the mesh axes that the FFT's process grid splits (slabs: axis 0; pencils: 0 and 1).
+
+    Then a rank's box of mesh points (its brick's, plus a ghost layer) lies
+    mostly in its own FFT block instead of across all of them.
+    """
+    from halopipe.distributed.fft import choose_grid as fft_grid
+
+    cell = torch.diag(torch.tensor([30.0, 30.0, 30.0], dtype=torch.float64))
+    rows, columns = fft_grid((48, 48, 48), world)
+    assert choose_grid(world, cell, torch.tensor([True, True, True])) == (rows, columns, 1)
