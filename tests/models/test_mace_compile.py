@@ -15,8 +15,22 @@ pytestmark = [
 ]
 
 
-def test_compiled_equals_eager_and_new_sizes_do_not_recompile():
-    module = build_model("scaleshift_L2_corr3")
+@pytest.fixture
+def float32_default():
+    """torch's own default dtype, as a user's script has it (the tests run under float64: conftest.py)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
+
+
+def test_compiled_equals_eager_and_new_sizes_do_not_recompile(float32_default):
+    """A float64 model compiled as a user's script runs it, under torch's float32 default dtype, matches eager to rounding.
+
+    (The compiled stages run a rebuilt copy of the model; rebuilt under a
+    float32 default, e3nn's constants were float32-rounded: 9e-9 relative.)
+    """
+    module = build_model("scaleshift_L2_corr3")  # float64 whatever the default
     eager = Pipeline([MACE(module)], DomainConfig(skin=0.5))
     compiled = Pipeline([MACE(module, compile=True)], DomainConfig(skin=0.5))
     stages = compiled.models[0].stages
