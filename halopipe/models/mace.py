@@ -138,11 +138,10 @@ def _traceable_copy(module: torch.nn.Module) -> torch.nn.Module:
     rebuilds the model the same way (``mace.tools.compile.prepare``). A model
     mace-torch cannot rebuild keeps its layers, with one warning naming why.
 
-    The copy is built with the model's dtype as torch's default: e3nn keeps
-    some constants as plain tensor attributes, which neither the state dict
-    nor ``.to(dtype)`` reaches, so a float64 model rebuilt under torch's
-    float32 default computed with float32-rounded constants (a 27-atom
-    energy off by 9e-9 relative).
+    The copy is built with the model's dtype as torch's default: rebuilt
+    under torch's float32 default, a float64 model's copy kept constants
+    rounded to float32 at construction, which neither ``load_state_dict``
+    nor ``.to(dtype)`` restores (a 27-atom energy off by 9e-9 relative).
     """
     device, dtype = _placement(module)
     try:
