@@ -23,6 +23,7 @@ all ranks yields exact forces and stress for any composition of models.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -379,3 +380,19 @@ def direct_by_local_autograd(energy_fn: Callable[[LocalView], torch.Tensor], vie
         (grad,) = torch.autograd.grad(total, rows)
     forces = -grad
     return ModelOutput(energies=energies.detach(), forces=forces, virial=virial_from_forces(rows.detach(), forces))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` within the block (float32 or float64; others leave it as it is).
+
+    For building a model whose constructor makes tensors at torch's default
+    dtype (sevenn's, mace-torch's), whatever the caller's default is.
+    """
+    old = torch.get_default_dtype()
+    if dtype in (torch.float32, torch.float64):
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

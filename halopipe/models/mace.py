@@ -34,14 +34,13 @@ layers would break every compiled graph into pieces that inductor cannot fuse.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..neighbors import row_centred_pairs
-from .base import LocalView, Model, ModelOutput, check_positive_length
+from .base import LocalView, Model, ModelOutput, check_positive_length, default_dtype
 from .compile import CompiledStages
 
 __all__ = ["MACE"]
@@ -151,7 +150,7 @@ def _traceable_copy(module: torch.nn.Module) -> torch.nn.Module:
         config = extract_config_mace_model(module)
         if "error" in config:
             raise TypeError(config["error"])
-        with disable_e3nn_codegen(), _default_dtype(dtype):
+        with disable_e3nn_codegen(), default_dtype(dtype):
             copy = type(module)(**config)
         copy.load_state_dict(module.state_dict(), strict=True)  # every weight, or the fallback below
     except Exception as exc:  # a model mace-torch cannot rebuild: compile around its TorchScript layers
@@ -163,18 +162,6 @@ def _traceable_copy(module: torch.nn.Module) -> torch.nn.Module:
         )
         return module
     return copy.to(device=device, dtype=dtype).train(module.training)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    """torch's default dtype set to ``dtype`` within the block (float32 or float64; others leave it as it is)."""
-    old = torch.get_default_dtype()
-    if dtype in (torch.float32, torch.float64):
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 EDGE_SLICES = 4

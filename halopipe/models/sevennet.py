@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..neighbors import row_centred_pairs
-from .base import LocalView, Model, ModelOutput
+from .base import LocalView, Model, ModelOutput, default_dtype
 from .compile import CompiledStages
 
 __all__ = ["SevenNet"]
@@ -74,12 +74,8 @@ def load_sevennet(model: str | Path) -> torch.nn.Module:
             f"SevenNet: model={str(model)!r} is neither a checkpoint file nor a pretrained name; use a path to a .pth "
             f"checkpoint or one of: {names} (7net-0, 7net-0_22may2024, 7net-l3i5 and 7net-mf-0 ship with the wheel)"
         ) from exc
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)  # sevenn builds (and checks) its float32 weights under the default dtype
-    try:
+    with default_dtype(torch.float32):  # sevenn builds (and checks) its float32 weights under the default dtype
         module = checkpoint.build_model()
-    finally:
-        torch.set_default_dtype(old)
     module.requires_grad_(False)  # inference only: no parameter gradients in the backward pass
     return module
 

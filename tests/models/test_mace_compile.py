@@ -28,7 +28,7 @@ def test_compiled_equals_eager_and_new_sizes_do_not_recompile(float32_default):
     """A float64 model compiled as a user's script runs it, under torch's float32 default dtype, matches eager to rounding.
 
     (The compiled stages run a rebuilt copy of the model; rebuilt under a
-    float32 default, e3nn's constants were float32-rounded: 9e-9 relative.)
+    float32 default, it kept constants rounded to float32: 9e-9 relative.)
     """
     module = build_model("scaleshift_L2_corr3")  # float64 whatever the default
     eager = Pipeline([MACE(module)], DomainConfig(skin=0.5))
