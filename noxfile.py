@@ -39,6 +39,10 @@ nox.options.error_on_missing_interpreters = True
 
 TORCH = "torch==2.13.0"
 ENV = {"OMP_NUM_THREADS": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+# Two pytest-xdist workers, each test handed to the first free one: most tests run one single-threaded process, so a
+# second worker fills the second core of a 2-core CI machine (the suite took 20 min serially there, 14 with these).
+# More cores: pass e.g. ``nox -- -n 8`` (the last -n wins).
+WORKERS = ("-n", "2", "--dist", "worksteal")
 SEVENN_TESTS = "test_*sevenn*.py"  # the test files of the sevenn session (their tests are also marked 'sevenn')
 # The peers' environments of the peers session: folder name -> (packages, the check that they are complete).
 PEER_ENVS = {
@@ -60,7 +64,7 @@ def _install(session: nox.Session, extras: str) -> None:
 def tests(session: nox.Session) -> None:
     """The core suite, MACE and torch-sim (everything but the sevenn-marked tests)."""
     _install(session, "test,mace,torchsim")
-    session.run("python", "-m", "pytest", "-q", "-m", "not sevenn", f"--ignore-glob=*/{SEVENN_TESTS}", *session.posargs, env=ENV)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "not sevenn", f"--ignore-glob=*/{SEVENN_TESTS}", *session.posargs, env=ENV)
 
 
 @nox.session
@@ -69,7 +73,7 @@ def sevenn(session: nox.Session) -> None:
     _install(session, "test,sevenn")
     report = Path(session.create_tmp()) / "sevenn-junit.xml"
     files = sorted(str(p) for p in Path("tests").glob(f"**/{SEVENN_TESTS}"))
-    session.run("python", "-m", "pytest", "-q", "-m", "sevenn", f"--junitxml={report}", *files, *session.posargs, env=ENV)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "sevenn", f"--junitxml={report}", *files, *session.posargs, env=ENV)
     skipped = _skipped_tests(report)
     if skipped:
         session.error(f"{len(skipped)} sevenn test(s) were skipped, but this session must run them all: {skipped}")

@@ -100,15 +100,21 @@ def test_checkpointed_layers_keep_fewer_activations_and_give_the_same_numbers():
 
 
 def test_compiled_stages_are_whole_graphs_through_a_rebuilt_copy():
-    """e3nn's TorchScript layers would break every graph; the rebuilt copy compiles each stage whole (fullgraph=True
-    raises at any graph break, which would show as a failure) and gives the eager model's numbers."""
+    """e3nn's TorchScript layers would break every graph; the rebuilt copy traces each stage whole (fullgraph=True
+    makes dynamo raise at any graph break, which would show as a failure) and gives the eager model's numbers.
+
+    Whole graphs are dynamo's finding, so its graphs run uncompiled here (CI time); what Inductor makes of the same
+    stages is compared with eager above.
+    """
     module = build_model("scaleshift_L2_corr3")
     model = MACE(module, compile=True, compile_kwargs={"fullgraph": True})
+    graphs = []
+    model.stages._backend = lambda graph, example_inputs: graphs.append(graph) or graph.forward
     system = System.from_ase(make_atoms(True, n_side=3))
     got, want = Pipeline([model])(system, stress=True), Pipeline([MACE(module)])(system, stress=True)
     assert model.stages.failure is None, model.stages.failure
     assert model.network is not module and not any(isinstance(m, torch.jit.ScriptModule) for m in model.network.modules())
-    assert model.stages.compilations == 1 + len(module.interactions)  # the embedding and one graph per layer
+    assert len(graphs) == 1 + len(module.interactions)  # the embedding and one graph per layer
     torch.testing.assert_close(got["forces"], want["forces"], rtol=0, atol=1e-10)
     torch.testing.assert_close(got["stress"], want["stress"], rtol=0, atol=1e-12)
 
