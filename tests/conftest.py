@@ -67,6 +67,15 @@ def molecule_cloud() -> System:
     return cluster()
 
 
+@pytest.fixture
+def float32_default():
+    """torch's own default dtype, as a user's script has it (the tests run under float64, set above)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
+
+
 @pytest.fixture(params=["warp", "torch"])
 def backend(request, monkeypatch):
     """Run a test once with each kernel technology (Warp skipped where it does not load)."""

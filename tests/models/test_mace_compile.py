@@ -15,15 +15,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def float32_default():
-    """torch's own default dtype, as a user's script has it (the tests run under float64: conftest.py)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(old)
-
-
 def test_compiled_equals_eager_and_new_sizes_do_not_recompile(float32_default):
     """A float64 model compiled as a user's script runs it, under torch's float32 default dtype, matches eager to rounding.
 
