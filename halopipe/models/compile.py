@@ -117,15 +117,24 @@ class CompiledStages:
             return fn(*args)
 
     def _backend(self, graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        """Inductor, counting each graph it is given (a first compile, a recompile, or a piece after a graph break)."""
+        """Inductor, counting each graph it is given (a first compile, a recompile, or a piece after a graph break).
+
+        Inductor's C++ kernels are generated single-threaded (``cpp.threads``:
+        1) unless ``compile_kwargs={"options": {"cpp.threads": n}}`` says
+        otherwise. With two OpenMP threads, the multi-threaded kernels of a
+        compiled MACE's backward corrupted the heap on a 2-core Intel host
+        (torch 2.13.0: a crash at the first compiled step). halopipe runs one
+        thread per rank anyway, so this costs nothing there.
+        """
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
         self.compilations += 1
-        patches = dict(self.options.get("options") or {})
+        patches = {"cpp.threads": 1}
         if "mode" in self.options:
             patches.update(list_mode_options(self.options["mode"], self.options.get("dynamic", True)))
-        return compile_fx(graph, example_inputs, config_patches=patches or None)
+        patches.update(self.options.get("options") or {})
+        return compile_fx(graph, example_inputs, config_patches=patches)
 
 
 def _own_code(fn: Callable, name: str) -> Callable:

@@ -15,11 +15,23 @@ pytestmark = [
 ]
 
 
-def test_compiled_equals_eager_and_new_sizes_do_not_recompile(float32_default):
-    """A float64 model compiled as a user's script runs it, under torch's float32 default dtype, matches eager to rounding.
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads, as torch has by default on a 2-core machine (CI runs with one)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_compiled_equals_eager_and_new_sizes_do_not_recompile(float32_default, two_threads):
+    """A float64 model compiled as a user's script runs it, under torch's float32 default dtype and two threads,
+    matches eager to rounding.
 
     (The compiled stages run a rebuilt copy of the model; rebuilt under a
-    float32 default, it kept constants rounded to float32: 9e-9 relative.)
+    float32 default, it kept constants rounded to float32: 9e-9 relative.
+    Inductor's multi-threaded kernels of this model's backward corrupted the
+    heap on a 2-core Intel host: a crash at the first compiled step.)
     """
     module = build_model("scaleshift_L2_corr3")  # float64 whatever the default
     eager = Pipeline([MACE(module)], DomainConfig(skin=0.5))
