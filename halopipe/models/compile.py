@@ -123,8 +123,8 @@ class CompiledStages:
         1) unless ``compile_kwargs={"options": {"cpp.threads": n}}`` says
         otherwise. With two OpenMP threads, the multi-threaded kernels of a
         compiled MACE's backward corrupted the heap on a 2-core Intel host
-        (torch 2.13.0: a crash at the first compiled step). halopipe runs one
-        thread per rank anyway, so this costs nothing there.
+        (torch 2.13.0: a crash at the first compiled step). At one thread per
+        rank, halopipe's setting, Inductor generates the same kernels either way.
         """
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
