@@ -9,6 +9,7 @@ import torch
 from halopipe import System
 from halopipe.kernels import backend as kernel_backend_module
 from halopipe.kernels import pairs as pair_kernels
+from halopipe.models.base import default_dtype
 
 torch.set_default_dtype(torch.float64)
 
@@ -70,10 +71,8 @@ def molecule_cloud() -> System:
 @pytest.fixture
 def float32_default():
     """torch's own default dtype, as a user's script has it (the tests run under float64, set above)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(old)
+    with default_dtype(torch.float32):
+        yield
 
 
 @pytest.fixture(params=["warp", "torch"])
